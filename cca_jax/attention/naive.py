@@ -1,0 +1,79 @@
+"""Dense CCA: SPEC sections 1-3 written out with L x L masks. For tests and small L only.
+
+Every position is treated as a candidate core-token slot (the group ending there); masks keep
+the slots that really are group ends the query may see. Everything is computed in float32,
+so this doubles as the high-precision reference for bf16 runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from cca_jax.blocks import n_core
+
+
+def _document_positions(segment_ids, batch: int, length: int):
+    """(document index, document start, position in document), each `[B, L]`."""
+    t = jnp.arange(length)
+    if segment_ids is None:
+        zeros = jnp.zeros((batch, length), jnp.int32)
+        return zeros, zeros, jnp.broadcast_to(t, (batch, length))
+    seg = jnp.asarray(segment_ids)
+    new_doc = jnp.concatenate([jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(new_doc, t, 0), axis=1)
+    return jnp.cumsum(new_doc, axis=1), start, t - start
+
+
+def _pool_every_position(q, k, v, group_size: int, pooling: str):
+    """Core key/value of the group ending at every position: `[B, L, Hq, D]` float32."""
+    g = group_size
+    length = q.shape[1]
+    pad = ((0, 0), (g - 1, 0), (0, 0), (0, 0))
+    kp, vp = jnp.pad(k, pad), jnp.pad(v, pad)
+    kw = jnp.stack([kp[:, u:u + length] for u in range(g)], axis=2)   # [B, L, g, Hq, D]
+    vw = jnp.stack([vp[:, u:u + length] for u in range(g)], axis=2)
+    if pooling == "cca":
+        logits = jnp.einsum("behd,beuhd->behu", q, kw) / math.sqrt(q.shape[-1])
+        a = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("behu,beuhd->behd", a, kw), jnp.einsum("behu,beuhd->behd", a, vw)
+    if pooling == "mean":
+        return kw.mean(axis=2), vw.mean(axis=2)
+    return kw.max(axis=2), vw.max(axis=2)
+
+
+def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
+                        segment_ids=None):
+    """CCA attention by dense masks; same signature and result as `cca_attention`."""
+    b, length, hq, d = q.shape
+    reps = hq // k.shape[2]
+    g, s = group_size, window_size
+    qf = q.astype(jnp.float32)
+    kf = jnp.repeat(k.astype(jnp.float32), reps, axis=2)
+    vf = jnp.repeat(v.astype(jnp.float32), reps, axis=2)
+
+    doc, start, pos = _document_positions(segment_ids, b, length)
+    nc = n_core(pos, g, s)                                            # [B, L]
+    t = jnp.arange(length)
+    same_doc = doc[:, :, None] == doc[:, None, :]                     # [B, Lq, Lk]
+    raw_mask = same_doc & (t[None, None, :] <= t[None, :, None]) & (
+        t[None, None, :] >= (start + g * nc)[:, :, None])
+    is_group_end = ((pos + 1) % g == 0) & (pos >= g - 1)
+    group_index = (pos + 1) // g - 1
+    core_mask = same_doc & is_group_end[:, None, :] & (
+        group_index[:, None, :] < nc[:, :, None])
+
+    ck, cv = _pool_every_position(qf, kf, vf, g, pooling)
+    scale = 1.0 / math.sqrt(d)
+    neg = jnp.finfo(jnp.float32).min
+    core_logits = jnp.einsum("bthd,behd->bhte", qf, ck) * scale
+    raw_logits = jnp.einsum("bthd,buhd->bhtu", qf, kf) * scale
+    logits = jnp.concatenate([
+        jnp.where(core_mask[:, None], core_logits, neg),
+        jnp.where(raw_mask[:, None], raw_logits, neg)], axis=-1)
+    p = jax.nn.softmax(logits, axis=-1)
+    out = (jnp.einsum("bhte,behd->bthd", p[..., :length], cv)
+           + jnp.einsum("bhtu,buhd->bthd", p[..., length:], vf))
+    return out.astype(q.dtype)

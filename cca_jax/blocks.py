@@ -1,0 +1,157 @@
+"""Which keys each query sees under CCA: the single source of the visibility arithmetic.
+
+SPEC section 2, with packed documents: a query at position `t` of a document that starts at
+`d` (`p = t - d` its position inside the document) sees
+  * raw keys `u` with  `d + g * n_core(p) <= u <= t`, and
+  * the core tokens of its own document with index `j < n_core(p)`.
+Core tokens of all documents of a row are stored back to back ("slots", ordered by position),
+so both visible sets are contiguous index ranges: raw `[raw_lo(t), t]`, core
+`[core_lo(t), core_hi(t))`. Without `segment_ids`: `raw_lo = g * n_core(t)`, `core_lo = 0`,
+`core_hi = n_core(t)`.
+
+Everything here is plain integer arithmetic that works on Python ints, numpy and jnp arrays
+(traced or not). The XLA implementation, the Pallas kernels (GPU bounds, TPU prefetch tables)
+and the KV cache all take their bounds from this module.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def n_core(t, group_size: int, window_size: int):
+    """Number of core tokens visible to the query at in-document position `t` (SPEC 2).
+
+    The clamp comes before the division so truncating integer division (Triton, C) gives the
+    same result as Python's floor division.
+    """
+    return _maximum(t + 1 - window_size, 0) // group_size
+
+
+def raw_start(t, group_size: int, window_size: int):
+    """First raw key position visible to in-document position `t`: `g * n_core(t)`."""
+    return group_size * n_core(t, group_size, window_size)
+
+
+def num_pooled_groups(length: int, group_size: int, window_size: int) -> int:
+    """Groups pooled for a sequence of `length`: those some query can see (SPEC 1)."""
+    return max(0, (length - window_size) // group_size)
+
+
+def _maximum(a, b):
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return max(a, b)
+    if isinstance(a, np.ndarray):
+        return np.maximum(a, b)
+    return jnp.maximum(a, b)
+
+
+class RowRanges(NamedTuple):
+    """Per query row `[B, L]` int32 bounds, plus where each core slot's group starts.
+
+    raw_lo, core_lo, core_hi: see the module docstring.
+    group_start: `[B, m]` first position of the group pooled into slot `c`, or None when
+    slots are the plain groups `[c*g, (c+1)*g)` (no segment_ids).
+    """
+
+    raw_lo: jax.Array
+    core_lo: jax.Array
+    core_hi: jax.Array
+    group_start: jax.Array | None
+
+
+def row_ranges(length: int, group_size: int, window_size: int,
+               segment_ids: jax.Array | None = None) -> RowRanges:
+    """Visible raw and core ranges of every query row; see the module docstring."""
+    g, s = group_size, window_size
+    t = jnp.arange(length, dtype=jnp.int32)
+    if segment_ids is None:
+        nc = n_core(t, g, s)[None]
+        return RowRanges(g * nc, jnp.zeros_like(nc), nc, None)
+
+    seg = jnp.asarray(segment_ids)
+    batch = seg.shape[0]
+    is_doc_start = jnp.concatenate(
+        [jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    doc_start = jax.lax.cummax(jnp.where(is_doc_start, t, 0), axis=1)
+    doc_index = jnp.cumsum(is_doc_start, axis=1) - 1
+    doc_len = jax.vmap(lambda idx: jax.ops.segment_sum(
+        jnp.ones_like(idx), idx, num_segments=length))(doc_index)
+    doc_len = jnp.take_along_axis(doc_len, doc_index, axis=1)
+    pos = t - doc_start
+    nc = n_core(pos, g, s)
+    groups_in_doc = n_core(doc_len - 1, g, s)
+    # Slot ends: the last position of every pooled group of every document.
+    is_slot_end = ((pos + 1) % g == 0) & ((pos + 1) // g <= groups_in_doc)
+    slots_through = jnp.cumsum(is_slot_end.astype(jnp.int32), axis=1)
+    slots_before = slots_through - is_slot_end
+    core_lo = jnp.take_along_axis(slots_before, doc_start, axis=1)
+    m = num_pooled_groups(length, g, s)
+    slot = jnp.where(is_slot_end, slots_through - 1, m)  # m: dropped by the scatter
+    # Unused slots point at group 0 of the row: finite values that no query ever sees.
+    group_start = jnp.zeros((batch, m), jnp.int32).at[
+        jnp.arange(batch)[:, None], slot].set(t - g + 1, mode="drop")
+    return RowRanges(doc_start + g * nc, core_lo, core_lo + nc, group_start)
+
+
+def dense_visibility(length: int, group_size: int, window_size: int,
+                     segment_ids=None) -> tuple[np.ndarray, np.ndarray]:
+    """Boolean `[B, L, L]` raw mask and `[B, L, m]` core mask built from `row_ranges`.
+
+    For tests and the block tables' checks; O(L^2).
+    """
+    r = jax.tree.map(lambda x: None if x is None else np.asarray(x),
+                     row_ranges(length, group_size, window_size, segment_ids))
+    t = np.arange(length)
+    m = num_pooled_groups(length, group_size, window_size)
+    raw = (t[None, None, :] >= r.raw_lo[..., None]) & (t[None, None, :] <= t[None, :, None])
+    j = np.arange(m)
+    core = (j >= r.core_lo[..., None]) & (j < r.core_hi[..., None])
+    return raw, core
+
+
+# ---- Block-level bounds for kernels (no segment_ids) -------------------------------------
+
+def raw_block_bounds(q_block: int, block_q: int, block_k: int, length: int,
+                     group_size: int, window_size: int):
+    """Raw key blocks `[first, last)` that query block `q_block` must visit.
+
+    Returns (first, full_first, full_last, last): blocks in `[full_first, full_last)` are
+    visible to every row of the query block (no mask needed); the rest need a mask.
+    """
+    r0 = q_block * block_q
+    r1 = _minimum(r0 + block_q, length) - 1
+    lo = raw_start(r0, group_size, window_size)          # smallest raw_lo in the block
+    first = lo // block_k
+    last = r1 // block_k + 1
+    # Fully visible: k0 >= raw_lo(r1) (largest lower bound) and k1 <= r0 (causal for row r0).
+    full_first = _minimum(_cdiv(raw_start(r1, group_size, window_size), block_k), last)
+    full_last = _maximum((r0 + 1) // block_k, full_first)
+    full_last = _minimum(full_last, last)
+    return first, full_first, full_last, last
+
+
+def core_block_bounds(q_block: int, block_q: int, block_c: int, length: int,
+                      group_size: int, window_size: int):
+    """Core blocks `[0, last)` that query block `q_block` must visit; `[0, full_last)` need no mask."""
+    r0 = q_block * block_q
+    r1 = _minimum(r0 + block_q, length) - 1
+    last = _cdiv(n_core(r1, group_size, window_size), block_c)
+    full_last = n_core(r0, group_size, window_size) // block_c
+    return full_last, last
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _minimum(a, b):
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return min(a, b)
+    if isinstance(a, np.ndarray):
+        return np.minimum(a, b)
+    return jnp.minimum(a, b)
