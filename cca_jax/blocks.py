@@ -114,35 +114,54 @@ def dense_visibility(length: int, group_size: int, window_size: int,
     return raw, core
 
 
-# ---- Block-level bounds for kernels (no segment_ids) -------------------------------------
+# ---- Block-level bounds ------------------------------------------------------------------
+# All bounds below rely on raw_lo, core_lo and core_hi being non-decreasing along a row (true
+# with and without segment_ids), so a block of query rows [r0, r1] is described by its first
+# and last rows. They work on Python ints and on traced scalars inside kernels.
 
-def raw_block_bounds(q_block: int, block_q: int, block_k: int, length: int,
-                     group_size: int, window_size: int):
-    """Raw key blocks `[first, last)` that query block `q_block` must visit.
+def raw_blocks_for_rows(r0, r1, raw_lo_r0, raw_lo_r1, block_k: int):
+    """Raw key blocks a query block of rows `[r0, r1]` must visit.
 
-    Returns (first, full_first, full_last, last): blocks in `[full_first, full_last)` are
-    visible to every row of the query block (no mask needed); the rest need a mask.
+    Returns (first, full_first, full_last, last): visit `[first, last)`; blocks in
+    `[full_first, full_last)` are visible to every row (no mask needed), the others need one.
     """
-    r0 = q_block * block_q
-    r1 = _minimum(r0 + block_q, length) - 1
-    lo = raw_start(r0, group_size, window_size)          # smallest raw_lo in the block
-    first = lo // block_k
+    first = raw_lo_r0 // block_k
     last = r1 // block_k + 1
-    # Fully visible: k0 >= raw_lo(r1) (largest lower bound) and k1 <= r0 (causal for row r0).
-    full_first = _minimum(_cdiv(raw_start(r1, group_size, window_size), block_k), last)
-    full_last = _maximum((r0 + 1) // block_k, full_first)
-    full_last = _minimum(full_last, last)
+    # Fully visible: k0 >= raw_lo(r1) (the largest lower bound) and k1 <= r0.
+    full_first = _minimum(_cdiv(raw_lo_r1, block_k), last)
+    full_last = _minimum(_maximum((r0 + 1) // block_k, full_first), last)
     return first, full_first, full_last, last
 
 
-def core_block_bounds(q_block: int, block_q: int, block_c: int, length: int,
-                      group_size: int, window_size: int):
-    """Core blocks `[0, last)` that query block `q_block` must visit; `[0, full_last)` need no mask."""
+def core_blocks_for_rows(core_lo_r0, core_lo_r1, core_hi_r0, core_hi_r1, block_c: int):
+    """Core-slot blocks a query block must visit: (first, full_first, full_last, last).
+
+    Visit `[first, last)`; `[full_first, full_last)` need no mask. `last == first` when no row
+    sees a core token.
+    """
+    first = core_lo_r0 // block_c
+    last = _maximum(_cdiv(core_hi_r1, block_c), first)
+    full_first = _minimum(_cdiv(core_lo_r1, block_c), last)
+    full_last = _minimum(_maximum(core_hi_r0 // block_c, full_first), last)
+    return first, full_first, full_last, last
+
+
+def raw_block_bounds(q_block, block_q: int, block_k: int, length: int, group_size: int,
+                     window_size: int):
+    """`raw_blocks_for_rows` for query block `q_block` of an unpacked sequence."""
     r0 = q_block * block_q
     r1 = _minimum(r0 + block_q, length) - 1
-    last = _cdiv(n_core(r1, group_size, window_size), block_c)
-    full_last = n_core(r0, group_size, window_size) // block_c
-    return full_last, last
+    return raw_blocks_for_rows(r0, r1, raw_start(r0, group_size, window_size),
+                               raw_start(r1, group_size, window_size), block_k)
+
+
+def core_block_bounds(q_block, block_q: int, block_c: int, length: int, group_size: int,
+                      window_size: int):
+    """`core_blocks_for_rows` for query block `q_block` of an unpacked sequence."""
+    r0 = q_block * block_q
+    r1 = _minimum(r0 + block_q, length) - 1
+    return core_blocks_for_rows(0, 0, n_core(r0, group_size, window_size),
+                                n_core(r1, group_size, window_size), block_c)
 
 
 def _cdiv(a, b):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.attention.pooling import pool_core_tokens
-from cca_jax.blocks import num_pooled_groups, row_ranges
+from cca_jax.blocks import core_blocks_for_rows, num_pooled_groups, row_ranges
 
 _MASKED = -1e30  # finite: a fully masked block never turns the running max into -inf
 
@@ -86,11 +86,12 @@ def _layout(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: _Blocking):
     m = ck.shape[1]
     ckp = _pad_axis1(ck, 0, p.padded_core - m).reshape(b, p.padded_core, hkv, hq // hkv, d)
     cvp = _pad_axis1(cv, 0, p.padded_core - m).reshape(b, p.padded_core, hkv, hq // hkv, d)
-    # Padded rows see only themselves (a zero key): finite, and discarded.
+    # Padded rows see only themselves (a zero key) and the last row's core tokens: finite,
+    # discarded, and the bounds stay non-decreasing along the row as blocks.py requires.
     pad_rows = jnp.broadcast_to(jnp.arange(length, p.padded_len, dtype=jnp.int32), (b, extra))
     raw_lo = jnp.concatenate([raw_lo, pad_rows], axis=1)
-    core_lo = _pad_axis1(core_lo, 0, extra)
-    core_hi = _pad_axis1(core_hi, 0, extra)
+    core_lo = jnp.pad(core_lo, ((0, 0), (0, extra)), mode="edge")
+    core_hi = jnp.pad(core_hi, ((0, 0), (0, extra)), mode="edge")
     return qp, kp, vp, ckp, cvp, raw_lo, core_lo, core_hi
 
 
@@ -121,10 +122,10 @@ def _core_block(qb, ckp, cvp, lo, hi, c, p: _Blocking):
 
 
 def _core_block_range(lo, hi, p: _Blocking):
-    """Core blocks holding any slot visible to some row of the block."""
-    first = jnp.min(lo) // p.block_c
-    last = (jnp.max(hi) + p.block_c - 1) // p.block_c
-    return first, jnp.maximum(last, first)
+    """Core blocks holding any slot visible to some row of the block (any batch row)."""
+    first, _, _, last = core_blocks_for_rows(
+        jnp.min(lo[:, 0]), jnp.max(lo[:, -1]), jnp.min(hi[:, 0]), jnp.max(hi[:, -1]), p.block_c)
+    return first, last
 
 
 # ---- forward / backward ------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""The visibility arithmetic (cca_jax.blocks) against masks built straight from SPEC section 2."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cca_jax import blocks
+
+
+def spec_masks(length, g, s, segment_ids=None):
+    """Raw [L, L] and per-document core visibility, from the SPEC text (one row)."""
+    seg = np.zeros(length, int) if segment_ids is None else np.asarray(segment_ids)
+    raw = np.zeros((length, length), bool)
+    core = []  # (query t, document start, group j) triples that are visible
+    for t in range(length):
+        d = t
+        while d > 0 and seg[d - 1] == seg[t]:
+            d -= 1
+        nc = max(0, (t - d + 1 - s) // g)
+        raw[t, d + g * nc: t + 1] = True
+        core += [(t, d, j) for j in range(nc)]
+    return raw, core
+
+
+@pytest.mark.parametrize("g,s", list(itertools.product([1, 2, 3, 4, 8], [1, 2, 5, 8, 13])))
+def test_row_ranges_match_spec(g, s):
+    length = 41
+    raw, core = spec_masks(length, g, s)
+    got_raw, got_core = blocks.dense_visibility(length, g, s)
+    np.testing.assert_array_equal(got_raw[0], raw)
+    assert sorted(zip(*np.nonzero(got_core[0]))) == sorted((t, j) for t, _, j in core)
+    assert got_core.shape[-1] == blocks.num_pooled_groups(length, g, s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_ranges_with_segments_match_spec(seed):
+    rng = np.random.default_rng(seed)
+    length, g, s = 57, int(rng.integers(1, 5)), int(rng.integers(1, 9))
+    seg = np.sort(rng.integers(0, 4, length))[None]
+    raw, core = spec_masks(length, g, s, seg[0])
+    got_raw, got_core = blocks.dense_visibility(length, g, s, seg)
+    np.testing.assert_array_equal(got_raw[0], raw)
+    r = blocks.row_ranges(length, g, s, seg)
+    starts = np.asarray(r.group_start[0])
+    # Every visible core slot is the right group: document start + j * g.
+    seen = sorted((t, int(starts[c])) for t, c in zip(*np.nonzero(got_core[0])))
+    assert seen == sorted((t, d + j * g) for t, d, j in core)
+    for x in (r.raw_lo, r.core_lo, r.core_hi):
+        assert np.all(np.diff(np.asarray(x)[0]) >= 0), "bounds must be non-decreasing"
+
+
+def test_raw_window_and_core_partition_the_past():
+    """Every earlier position is seen raw or through exactly one core token (SPEC 2)."""
+    length, g, s = 70, 4, 6
+    for t in range(length):
+        nc = blocks.n_core(t, g, s)
+        covered = list(range(g * nc)) + list(range(blocks.raw_start(t, g, s), t + 1))
+        assert covered == list(range(t + 1))
+        assert t + 1 < s or s <= t + 1 - g * nc <= s + g - 1
+
+
+def test_n_core_is_truncation_safe():
+    # Rows s .. s+g-2 must see no core token (the authors' Triton kernel got this wrong).
+    g, s = 16, 1024
+    assert all(blocks.n_core(t, g, s) == 0 for t in range(s + g - 1))
+    assert blocks.n_core(s + g - 1, g, s) == 1
+
+
+@pytest.mark.parametrize("g,s,bq,bk", [(1, 1, 4, 4), (4, 6, 8, 4), (3, 7, 4, 8), (4, 16, 8, 8),
+                                       (16, 32, 16, 16), (2, 5, 16, 4), (5, 3, 8, 8)])
+@pytest.mark.parametrize("length", [1, 37, 64])
+def test_block_bounds_cover_exactly_the_visible_keys(g, s, bq, bk, length):
+    raw, core = blocks.dense_visibility(length, g, s)
+    raw, core = raw[0], core[0]
+    m = core.shape[1]
+    for qb in range(-(-length // bq)):
+        rows = slice(qb * bq, min((qb + 1) * bq, length))
+        first, ffirst, flast, last = blocks.raw_block_bounds(qb, bq, bk, length, g, s)
+        assert first <= ffirst <= flast <= last
+        for kb in range(-(-length // bk)):
+            cols = slice(kb * bk, min((kb + 1) * bk, length))
+            tile = raw[rows, cols]
+            assert (first <= kb < last) == bool(tile.any()), (qb, kb)
+            full = tile.all() and cols.stop - cols.start == bk
+            if ffirst <= kb < flast:
+                assert full, (qb, kb)
+        cfirst, cffirst, cflast, clast = blocks.core_block_bounds(qb, bq, bk, length, g, s)
+        assert cfirst <= cffirst <= cflast <= clast
+        for cb in range(-(-max(m, 1) // bk)):
+            tile = core[rows, cb * bk:(cb + 1) * bk]
+            assert (cfirst <= cb < clast) == bool(tile.any()), (qb, cb)
+            if cffirst <= cb < cflast:
+                assert tile.all() and tile.shape[1] == bk, (qb, cb)
+
+
+def test_core_block_bounds_are_analytic_for_traced_values():
+    import jax
+    import jax.numpy as jnp
+    fn = jax.jit(lambda i: jnp.stack(blocks.raw_block_bounds(i, 64, 64, 4096, 16, 1024)
+                                     + blocks.core_block_bounds(i, 64, 64, 4096, 16, 1024)))
+    for i in (0, 17, 63):
+        want = blocks.raw_block_bounds(i, 64, 64, 4096, 16, 1024) + blocks.core_block_bounds(
+            i, 64, 64, 4096, 16, 1024)
+        assert tuple(int(x) for x in fn(i)) == tuple(want)
