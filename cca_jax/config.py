@@ -30,7 +30,7 @@ CCA_CONFIG_KEY = "cca_attention"
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {},
-    "qwen2": {"attention_bias": True, "tie_word_embeddings": False},
+    "qwen2": {"qkv_bias": True, "attention_bias": False},
 }
 
 
@@ -148,7 +148,8 @@ class LlamaConfig:
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False        # bias on q, k, v and o projections (HF LLaMA)
+    qkv_bias: bool | None = None        # bias on q, k, v only (Qwen2); None: attention_bias
     mlp_bias: bool = False
     # How to run it.
     attention: str = "cca"
@@ -168,6 +169,8 @@ class LlamaConfig:
                      f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                      f"({self.num_attention_heads}); set head_dim explicitly.")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.attention_bias)
         if isinstance(self.rope_scaling, Mapping) or self.rope_scaling is None:
             object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
         if isinstance(self.cca, Mapping):
@@ -284,7 +287,7 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "mlp_bias": self.mlp_bias,
-            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
             CCA_CONFIG_KEY: self.cca.to_dict(),
         }
         if model_type != "llama":

@@ -1,0 +1,180 @@
+"""A LLaMA-family decoder in Flax NNX whose attention core is swappable (`full` / `cca`).
+
+embed -> [scan over layers: RMSNorm -> attention -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> logits
+
+Layers are created stacked (leading layer axis on every parameter) and run with one
+`lax.scan` over that axis, so the layer body is compiled once; `config.remat` wraps the body
+in `jax.checkpoint`. Parameters and activations use `param_dtype` / `dtype`; norms, softmax
+and logits are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cca_jax.attention import cca_attention
+from cca_jax.config import LlamaConfig
+from cca_jax.rope import apply_rope, rope_cos_sin
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _init(std: float = 0.02):
+    return nnx.initializers.normal(std)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, computed in float32 (HF LlamaRMSNorm)."""
+
+    def __init__(self, size: int, eps: float, param_dtype):
+        self.weight = nnx.Param(jnp.ones((size,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(cfg: LlamaConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=cfg.jnp_dtype,
+                      param_dtype=cfg.jnp_param_dtype, kernel_init=_init(), rngs=rngs)
+
+
+def full_attention(q, k, v, segment_ids, cfg: LlamaConfig):
+    """Causal softmax attention (cuDNN on GPU where it applies, XLA elsewhere)."""
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+
+def cca_core(q, k, v, segment_ids, cfg: LlamaConfig):
+    c = cfg.cca
+    return cca_attention(q, k, v, group_size=c.group_size, window_size=c.window_size,
+                         pooling=c.pooling, implementation=c.implementation,
+                         segment_ids=segment_ids)
+
+
+ATTENTION_CORES = {"full": full_attention, "cca": cca_core}
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(cfg, h, cfg.num_attention_heads * d, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, h, cfg.num_key_value_heads * d, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, h, cfg.num_key_value_heads * d, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, cfg.num_attention_heads * d, h, cfg.attention_bias, rngs)
+
+    def __call__(self, x, cos, sin, segment_ids):
+        cfg = self.cfg
+        b, length, _ = x.shape
+        q = self.q_proj(x).reshape(b, length, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ATTENTION_CORES[cfg.attention](q, k, v, segment_ids, cfg)
+        return self.o_proj(out.reshape(b, length, -1))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
+        self.up_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
+        self.down_proj = _linear(cfg, i, h, cfg.mlp_bias, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                cfg.jnp_param_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, segment_ids):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nnx.Module):
+    """`model(input_ids, segment_ids=None, positions=None) -> logits [B, L, V]` (float32)."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
+                                      param_dtype=cfg.jnp_param_dtype, embedding_init=_init(),
+                                      rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+    def hidden_states(self, input_ids, segment_ids=None, positions=None):
+        """Final normed hidden states `[B, L, hidden]` in `dtype`."""
+        cfg = self.config
+        _check_ids(input_ids, segment_ids, positions)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        cos, sin = rope_cos_sin(positions, cfg)
+        x = self.embed_tokens(input_ids)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer_step(x, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            return layer(x, cos, sin, segment_ids), None
+
+        if cfg.remat != "none":
+            layer_step = jax.checkpoint(layer_step, policy=_REMAT_POLICIES[cfg.remat])
+        if cfg.scan_layers:
+            x, _ = jax.lax.scan(layer_step, x, stacked)
+        else:
+            for i in range(cfg.num_hidden_layers):
+                x, _ = layer_step(x, jax.tree.map(lambda p, i=i: p[i], stacked))
+        return self.norm(x)
+
+    def logits(self, hidden):
+        """float32 logits from hidden states."""
+        if self.config.tie_word_embeddings:
+            weight = self.embed_tokens.embedding[...].T
+        else:
+            weight = self.lm_head.kernel[...]
+        return jnp.dot(hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids, segment_ids=None, positions=None, *, last_only: bool = False):
+        """Logits `[B, L, V]`, or `[B, 1, V]` for the last position when `last_only`."""
+        hidden = self.hidden_states(input_ids, segment_ids, positions)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self.logits(hidden)
+
+
+def _check_ids(input_ids, segment_ids, positions) -> None:
+    if getattr(input_ids, "ndim", None) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"input_ids must be integer [batch, seq], got {getattr(input_ids, 'shape', None)} "
+            f"{getattr(input_ids, 'dtype', None)}.")
+    for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+        if x is not None and getattr(x, "shape", None) != input_ids.shape:
+            raise ValueError(f"{name} must have the shape of input_ids {input_ids.shape}, "
+                             f"got {getattr(x, 'shape', None)}.")
