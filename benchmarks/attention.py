@@ -1,0 +1,170 @@
+"""Attention benchmark: CCA implementations against causal full attention, one run.
+
+    python benchmarks/attention.py [--impls cca_xla,full_cudnn] [--lengths 8192,32768,131072]
+                                   [--hkv 32,8] [--out benchmarks/results/attention_h200]
+
+For every (L, Hkv) and implementation: forward and forward+backward milliseconds (median of
+timed runs after warm-up), useful TFLOP/s (only scores that are really visible count), the
+compiled program's memory (XLA memory analysis: temporaries + arguments + outputs) and the
+max abs error of the output against `cca_xla`. Writes `<out>.json` (a list of records) and
+`<out>.md` (a table with device, versions, date and this command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cca_jax.attention import cca_attention  # noqa: E402
+from cca_jax.blocks import n_core  # noqa: E402
+
+
+def visible_scores(length: int, g: int, s: int) -> int:
+    """Scores per head CCA really needs: sum over rows of core + raw-window sizes."""
+    t = np.arange(length, dtype=np.int64)
+    nc = n_core(t, g, s)
+    return int(np.sum(nc + (t - g * nc + 1)))
+
+
+def _cca(impl):
+    def run(q, k, v, g, s):
+        return cca_attention(q, k, v, group_size=g, window_size=s, implementation=impl)
+    return run
+
+
+def _full_cudnn(q, k, v, g, s):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca("pallas_gpu"),
+         "full_cudnn": _full_cudnn}
+
+
+def _median_ms(fn, args, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _memory_bytes(compiled) -> int | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+               + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def bench_one(name, q, k, v, g, s, ct, iters):
+    impl = IMPLS[name]
+    fwd = jax.jit(lambda q, k, v: impl(q, k, v, g, s))
+
+    def loss(q, k, v):
+        return jnp.sum(impl(q, k, v, g, s).astype(jnp.float32) * ct)
+
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    rec = {}
+    fwd_c = fwd.lower(q, k, v).compile()
+    bwd_c = fwd_bwd.lower(q, k, v).compile()
+    rec["fwd_mem_gib"] = (_memory_bytes(fwd_c) or 0) / 2**30
+    rec["fwd_bwd_mem_gib"] = (_memory_bytes(bwd_c) or 0) / 2**30
+    rec["fwd_ms"] = _median_ms(fwd_c, (q, k, v), 2, iters)
+    rec["fwd_bwd_ms"] = _median_ms(bwd_c, (q, k, v), 2, iters)
+    return rec, fwd_c(q, k, v)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="cca_xla,full_cudnn")
+    ap.add_argument("--lengths", default="8192,32768,131072")
+    ap.add_argument("--hkv", default="32,8")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--s", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results/attention_h200")
+    args = ap.parse_args(argv)
+    impls = args.impls.split(",")
+    records = []
+    for length in map(int, args.lengths.split(",")):
+        for hkv in map(int, args.hkv.split(",")):
+            key = jax.random.split(jax.random.key(length + hkv), 4)
+            shape_q, shape_kv = (1, length, args.hq, args.d), (1, length, hkv, args.d)
+            q = jax.random.normal(key[0], shape_q, jnp.bfloat16)
+            k = jax.random.normal(key[1], shape_kv, jnp.bfloat16)
+            v = jax.random.normal(key[2], shape_kv, jnp.bfloat16)
+            ct = jax.random.normal(key[3], shape_q, jnp.float32)
+            cca_scores = visible_scores(length, args.g, args.s)
+            reference = None
+            for name in impls:
+                scores = length * (length + 1) // 2 if name.startswith("full") else cca_scores
+                flops = 4 * scores * args.d * args.hq
+                rec = {"impl": name, "L": length, "hq": args.hq, "hkv": hkv, "d": args.d,
+                       "g": args.g, "s": args.s, "b": 1, "dtype": "bfloat16"}
+                try:
+                    timing, out = bench_one(name, q, k, v, args.g, args.s, ct, args.iters)
+                except Exception as e:  # record and go on: one failure must not lose the rest
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"{name} L={length} hkv={hkv}: {rec['error']}", flush=True)
+                    records.append(rec)
+                    continue
+                rec.update(timing)
+                rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
+                rec["fwd_bwd_tflops"] = 3.5 * flops / rec["fwd_bwd_ms"] / 1e9
+                if name == "cca_xla":
+                    reference = out
+                rec["max_err"] = (None if name.startswith("full") or reference is None else
+                                  float(jnp.max(jnp.abs(out.astype(jnp.float32)
+                                                        - reference.astype(jnp.float32)))))
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    write_results(records, args, argv)
+
+
+def write_results(records, args, argv):
+    dev = jax.devices()[0]
+    meta = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(),
+            "command": "python benchmarks/attention.py " + " ".join(argv or sys.argv[1:])}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump([{**r, **meta} for r in records], f, indent=1)
+    lines = [f"# Attention benchmark ({meta['device']}, jax {meta['jax']}, {meta['date']})", "",
+             f"Command: `{meta['command']}`", "",
+             "B=1, bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd).", "",
+             "| impl | L | Hq | Hkv | D | g | s | fwd ms | fwd+bwd ms | fwd TFLOP/s "
+             "| fwd+bwd TFLOP/s | fwd mem GiB | fwd+bwd mem GiB | max err vs xla |",
+             "|" + "---|" * 14]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} | {r['d']} | "
+                         f"{r['g']} | {r['s']} | error: {r['error'][:80]} |" + " |" * 7)
+            continue
+        err = "" if r["max_err"] is None else f"{r['max_err']:.2e}"
+        lines.append(
+            f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} | {r['d']} | {r['g']} | {r['s']}"
+            f" | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['fwd_tflops']:.1f}"
+            f" | {r['fwd_bwd_tflops']:.1f} | {r['fwd_mem_gib']:.2f} | {r['fwd_bwd_mem_gib']:.2f}"
+            f" | {err} |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
