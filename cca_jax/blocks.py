@@ -174,3 +174,49 @@ def _minimum(a, b):
     if isinstance(a, np.ndarray):
         return np.minimum(a, b)
     return jnp.minimum(a, b)
+
+
+# ---- Query blocks per key block (backward passes over keys) --------------------------------
+# The rows that see a raw key `u` or a core slot `c` form one interval `[a(x), b(x)]` whose ends
+# are non-decreasing in `x` (a consequence of the monotone row bounds above), so a block of
+# keys/slots `[x0, x1]` is described by the intervals of its first and last members.
+
+def raw_key_rows(raw_lo):
+    """`[B, L]` -> `[B, L]`: the last row that sees key `u` raw (rows `u .. last` all do).
+
+    Row `t` sees raw key `u` iff `raw_lo(t) <= u <= t`; with `raw_lo` non-decreasing that is
+    `u <= t <= max{t : raw_lo(t) <= u}`.
+    """
+    raw_lo = jnp.asarray(raw_lo)
+    keys = jnp.arange(raw_lo.shape[-1], dtype=raw_lo.dtype)
+    find = lambda lo: jnp.searchsorted(lo, keys, side="right")  # noqa: E731
+    return (jax.vmap(find)(raw_lo) - 1).astype(jnp.int32)
+
+
+def core_slot_rows(core_lo, core_hi, num_slots: int):
+    """`(first_row, end_row)`, each `[B, num_slots]`: slot `c` is seen by rows
+    `first_row[c] .. end_row[c]` (empty when `first_row > end_row`, e.g. padding slots).
+
+    Row `t` sees slot `c` iff `core_lo(t) <= c < core_hi(t)`.
+    """
+    core_lo, core_hi = jnp.asarray(core_lo), jnp.asarray(core_hi)
+    slots = jnp.arange(num_slots, dtype=core_lo.dtype)
+    first = jax.vmap(lambda hi: jnp.searchsorted(hi, slots, side="right"))(core_hi)
+    end = jax.vmap(lambda lo: jnp.searchsorted(lo, slots, side="right"))(core_lo) - 1
+    return first.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def row_blocks_for_interval(a0, a1, b0, b1, block_q: int):
+    """Query blocks to visit for a block of keys/slots `[x0, x1]`: (first, full_first,
+    full_last, last).
+
+    `a0, a1` are the first rows and `b0, b1` the last rows that see `x0` and `x1` (rows
+    `[a(x), b(x)]` see `x`; for raw keys `a(u) = u`, `b(u) = raw_key_rows(...)[u]`; for core
+    slots `core_slot_rows`). Visit `[first, last)`; every row of the blocks in
+    `[full_first, full_last)` sees every member (no mask needed).
+    """
+    first = a0 // block_q
+    last = _maximum(b1 // block_q + 1, first)
+    full_first = _minimum(_cdiv(a1, block_q), last)
+    full_last = _minimum(_maximum((b0 + 1) // block_q, full_first), last)
+    return first, full_first, full_last, last

@@ -1,0 +1,459 @@
+"""CCA attention through Pallas' Triton lowering: forward, dq, dk/dv and dck/dcv kernels.
+
+Layout: q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`, core tokens ck/cv `[B, m, Hq, D]` (pooled in
+XLA, see `cca_jax.attention.pooling`), per-row int32 bounds raw_lo/core_lo/core_hi `[B, L]`
+from `cca_jax.blocks.row_ranges`. Nothing is transposed; sequences are zero-padded to whole
+blocks (padded rows see only their own zero key, so every loaded value is finite; in
+interpret mode nothing is ever read out of bounds).
+
+Kernels (grid dims: block, head, batch; at most 3 as the Triton lowering requires):
+  forward   per (query block, query head): ONE online softmax, base 2, over the raw-window
+            key blocks first (every row sees its own key, so the running max is finite
+            before any fully masked block) and then the core blocks; each loop is split so
+            only its edge blocks carry a mask. Returns out and the log2-sum-exp.
+  dq        per (query block, query head): the same two loops, probabilities recomputed
+            from the log-sum-exp.
+  dkv       per (raw key block, KV head): loops over the G query heads of the group and
+            over the query blocks that see the key block (`blocks.row_blocks_for_interval`
+            on `blocks.raw_key_rows`); GQA gradients are summed in registers, no partials.
+  dcore     per (core block, query head): loops over the query blocks that see the slots
+            (`blocks.core_slot_rows`).
+The block-visit arithmetic all comes from `cca_jax.blocks`; per-block bounds are the first
+and last rows' values, read as min/max of the block's bound vector (bounds are monotone).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from cca_jax import blocks
+
+_MASKED = -1e30        # finite: a fully masked block never turns the running max into -inf
+_LOG2E = math.log2(math.e)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+class KernelConfig(NamedTuple):
+    """Static tiling of all four kernels (hashable: a custom_vjp non-diff argument)."""
+    group_size: int
+    window_size: int
+    block_q: int = 128          # forward
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    dq_block_q: int = 64        # dq kernel
+    dq_block_k: int = 64
+    dq_num_warps: int = 4
+    dq_num_stages: int = 2
+    dkv_block_k: int = 64       # dk/dv (raw) and dck/dcv (core) kernels
+    dkv_block_q: int = 64
+    dkv_num_warps: int = 4
+    dkv_num_stages: int = 2
+    interpret: bool = False
+
+    @property
+    def row_multiple(self) -> int:
+        return max(self.block_q, self.block_k, self.dq_block_q, self.dq_block_k,
+                   self.dkv_block_k, self.dkv_block_q)
+
+    @property
+    def slot_multiple(self) -> int:
+        return max(self.block_k, self.dq_block_k, self.dkv_block_k)
+
+
+def _round_up(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+def _params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _dot(a, b, *, ta: bool = False, tb: bool = False):
+    """2-D matmul with float32 accumulation; ta/tb contract a's rows / b's columns."""
+    dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _split_loops(bounds, body, carry):
+    """Run body(j, carry, masked) over [first, last), unmasked on [full_first, full_last)."""
+    first, full_first, full_last, last = bounds
+    carry = lax.fori_loop(first, full_first, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(full_first, full_last, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(full_last, last, functools.partial(body, masked=True), carry)
+
+
+def _kv_head_map(groups: int):
+    if groups == 1:
+        return lambda h: h
+    return lambda h: lax.div(h, groups)
+
+
+# ---- forward -----------------------------------------------------------------------------
+
+def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
+                o_ref, lse_ref, *, block_q: int, block_k: int, scale: float):
+    r0 = pl.program_id(0) * block_q
+    rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
+    rlo, clo, chi = rlo_ref[...], clo_ref[...], chi_ref[...]
+    q = q_ref[...]
+    c = scale * _LOG2E
+    d = q.shape[-1]
+
+    def step(kb, vb, s, carry):
+        acc, m_i, l_i = carry
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb)
+        return acc, m_new, l_new
+
+    def raw_body(j, carry, masked):
+        k0 = j * block_k
+        kb = k_ref[pl.ds(k0, block_k), :]
+        vb = v_ref[pl.ds(k0, block_k), :]
+        s = _dot(q, kb, tb=True) * c
+        if masked:
+            keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            vis = (keys[None, :] >= rlo[:, None]) & (keys[None, :] <= rows[:, None])
+            s = jnp.where(vis, s, _MASKED)
+        return step(kb, vb, s, carry)
+
+    def core_body(j, carry, masked):
+        c0 = j * block_k
+        kb = ck_ref[pl.ds(c0, block_k), :]
+        vb = cv_ref[pl.ds(c0, block_k), :]
+        s = _dot(q, kb, tb=True) * c
+        if masked:
+            slots = c0 + jnp.arange(block_k, dtype=jnp.int32)
+            vis = (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
+            s = jnp.where(vis, s, _MASKED)
+        return step(kb, vb, s, carry)
+
+    carry = (jnp.zeros((block_q, d), jnp.float32),
+             jnp.full((block_q,), _MASKED, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    r1 = r0 + block_q - 1
+    carry = _split_loops(blocks.raw_blocks_for_rows(r0, r1, jnp.min(rlo), jnp.max(rlo),
+                                                    block_k), raw_body, carry)
+    carry = _split_loops(blocks.core_blocks_for_rows(jnp.min(clo), jnp.max(clo), jnp.min(chi),
+                                                     jnp.max(chi), block_k), core_body, carry)
+    acc, m_i, l_i = carry
+    l_i = jnp.maximum(l_i, 1e-30)   # every row sees its own key: l >= 1; guard anyway
+    o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m_i + jnp.log2(l_i)
+
+
+def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
+    """Padded inputs in, padded out `[B, Lp, Hq, D]` and log2-sum-exp `[B, Hq, Lp]` out."""
+    b, lp, hq, d = q.shape
+    hkv, mp = k.shape[2], ck.shape[1]
+    bq, bk = cfg.block_q, cfg.block_k
+    kvh = _kv_head_map(hq // hkv)
+    kernel = functools.partial(_fwd_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
+    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, i))
+    return pl.pallas_call(
+        kernel,
+        grid=(lp // bq, hq, b),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, i, h, 0)),
+            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
+            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
+            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
+            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
+            row_block, row_block, row_block,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)],
+        compiler_params=_params(cfg.num_warps, cfg.num_stages),
+        interpret=cfg.interpret,
+        name="cca_fwd",
+    )(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
+
+
+# ---- backward: dq --------------------------------------------------------------------------
+
+def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
+               rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float):
+    r0 = pl.program_id(0) * block_q
+    rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
+    rlo, clo, chi = rlo_ref[...], clo_ref[...], chi_ref[...]
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    c = scale * _LOG2E
+
+    def step(kb, vb, s, dq):
+        p = jnp.exp2(s - lse[:, None])
+        dp = _dot(do, vb, tb=True)
+        ds = p * (dp - delta[:, None])
+        return dq + _dot(ds.astype(kb.dtype), kb)
+
+    def raw_body(j, dq, masked):
+        k0 = j * block_k
+        kb = k_ref[pl.ds(k0, block_k), :]
+        vb = v_ref[pl.ds(k0, block_k), :]
+        s = _dot(q, kb, tb=True) * c
+        if masked:
+            keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            vis = (keys[None, :] >= rlo[:, None]) & (keys[None, :] <= rows[:, None])
+            s = jnp.where(vis, s, _MASKED)
+        return step(kb, vb, s, dq)
+
+    def core_body(j, dq, masked):
+        c0 = j * block_k
+        kb = ck_ref[pl.ds(c0, block_k), :]
+        vb = cv_ref[pl.ds(c0, block_k), :]
+        s = _dot(q, kb, tb=True) * c
+        if masked:
+            slots = c0 + jnp.arange(block_k, dtype=jnp.int32)
+            vis = (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
+            s = jnp.where(vis, s, _MASKED)
+        return step(kb, vb, s, dq)
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    r1 = r0 + block_q - 1
+    dq = _split_loops(blocks.raw_blocks_for_rows(r0, r1, jnp.min(rlo), jnp.max(rlo), block_k),
+                      raw_body, dq)
+    dq = _split_loops(blocks.core_blocks_for_rows(jnp.min(clo), jnp.max(clo), jnp.min(chi),
+                                                  jnp.max(chi), block_k), core_body, dq)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelConfig):
+    b, lp, hq, d = q.shape
+    hkv, mp = k.shape[2], ck.shape[1]
+    bq, bk = cfg.dq_block_q, cfg.dq_block_k
+    kvh = _kv_head_map(hq // hkv)
+    kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
+    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, i))
+    head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, i))
+    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, i, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(lp // bq, hq, b),
+        in_specs=[
+            q_block,
+            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
+            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
+            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
+            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
+            q_block, head_rows, head_rows, row_block, row_block, row_block,
+        ],
+        out_specs=q_block,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params(cfg.dq_num_warps, cfg.dq_num_stages),
+        interpret=cfg.interpret,
+        name="cca_bwd_dq",
+    )(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi)
+
+
+# ---- backward: dk/dv over raw key blocks ----------------------------------------------------
+
+def _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv):
+    """One (key block, query block) tile, transposed: s_t [bk, bq] in log2 units."""
+    p_t = jnp.exp2(s_t - lse[None, :])
+    dv = dv + _dot(p_t.astype(do.dtype), do)
+    dp_t = _dot(vb, do, tb=True)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = dk + _dot(ds_t.astype(q.dtype), q)
+    return dk, dv
+
+
+def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_row_ref,
+                dk_ref, dv_ref, *, block_q: int, block_k: int, groups: int, head_dim: int,
+                padded_len: int, scale: float):
+    k0 = pl.program_id(0) * block_k
+    keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
+    kb, vb = k_ref[...], v_ref[...]
+    last_row = last_row_ref[...]
+    c = scale * _LOG2E
+    bounds = blocks.row_blocks_for_interval(k0, k0 + block_k - 1, jnp.min(last_row),
+                                            jnp.max(last_row), block_q)
+    dk = jnp.zeros(kb.shape, jnp.float32)
+    dv = jnp.zeros(vb.shape, jnp.float32)
+    for gi in range(groups):     # query heads of this KV head, summed in registers
+        def body(i, carry, masked, gi=gi):
+            dk, dv = carry
+            r0 = i * block_q
+            q = q_ref[pl.ds(r0, block_q), pl.ds(gi * head_dim, head_dim)]
+            do = do_ref[pl.ds(r0, block_q), pl.ds(gi * head_dim, head_dim)]
+            lse = lse_ref[pl.ds(gi * padded_len + r0, block_q)]
+            delta = delta_ref[pl.ds(gi * padded_len + r0, block_q)]
+            s_t = _dot(kb, q, tb=True) * c
+            if masked:
+                rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
+                rlo = rlo_ref[pl.ds(r0, block_q)]
+                vis = (keys[:, None] >= rlo[None, :]) & (keys[:, None] <= rows[None, :])
+                s_t = jnp.where(vis, s_t, _MASKED)
+            return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv)
+        dk, dv = _split_loops(bounds, body, (dk, dv))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
+    b, lp, hq, d = q.shape
+    hkv = k.shape[2]
+    groups = hq // hkv
+    bk, bq = cfg.dkv_block_k, cfg.dkv_block_q
+    # Views (free reshapes): the G query heads of a KV head side by side.
+    qg = q.reshape(b, lp, hkv, groups * d)
+    dog = do.reshape(b, lp, hkv, groups * d)
+    lseg = lse.reshape(b, hkv, groups * lp)
+    deltag = delta.reshape(b, hkv, groups * lp)
+    kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk, groups=groups,
+                               head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d))
+    whole_q = pl.BlockSpec((None, lp, None, groups * d), lambda i, h, z: (z, 0, h, 0))
+    whole_rows = pl.BlockSpec((None, None, groups * lp), lambda i, h, z: (z, h, 0))
+    k_block = pl.BlockSpec((None, bk, None, d), lambda i, h, z: (z, i, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(lp // bk, hkv, b),
+        in_specs=[
+            whole_q, whole_q, whole_rows, whole_rows,
+            pl.BlockSpec((None, lp), lambda i, h, z: (z, 0)),
+            k_block, k_block,
+            pl.BlockSpec((None, bk), lambda i, h, z: (z, i)),
+        ],
+        out_specs=[k_block, k_block],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_params(cfg.dkv_num_warps, cfg.dkv_num_stages),
+        interpret=cfg.interpret,
+        name="cca_bwd_dkv",
+    )(qg, dog, lseg, deltag, raw_lo, k, v, last_row)
+
+
+# ---- backward: dck/dcv over core blocks ------------------------------------------------------
+
+def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, cv_ref,
+                  first_row_ref, end_row_ref, dck_ref, dcv_ref, *, block_q: int,
+                  block_c: int, scale: float):
+    c0 = pl.program_id(0) * block_c
+    slots = c0 + jnp.arange(block_c, dtype=jnp.int32)
+    kb, vb = ck_ref[...], cv_ref[...]
+    first_row, end_row = first_row_ref[...], end_row_ref[...]
+    c = scale * _LOG2E
+    bounds = blocks.row_blocks_for_interval(jnp.min(first_row), jnp.max(first_row),
+                                            jnp.min(end_row), jnp.max(end_row), block_q)
+
+    def body(i, carry, masked):
+        dk, dv = carry
+        r0 = i * block_q
+        q = q_ref[pl.ds(r0, block_q), :]
+        do = do_ref[pl.ds(r0, block_q), :]
+        lse = lse_ref[pl.ds(r0, block_q)]
+        delta = delta_ref[pl.ds(r0, block_q)]
+        s_t = _dot(kb, q, tb=True) * c
+        if masked:
+            clo = clo_ref[pl.ds(r0, block_q)]
+            chi = chi_ref[pl.ds(r0, block_q)]
+            vis = (slots[:, None] >= clo[None, :]) & (slots[:, None] < chi[None, :])
+            s_t = jnp.where(vis, s_t, _MASKED)
+        return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv)
+
+    dk, dv = _split_loops(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
+                                         jnp.zeros(vb.shape, jnp.float32)))
+    dck_ref[...] = (dk * scale).astype(dck_ref.dtype)
+    dcv_ref[...] = dv.astype(dcv_ref.dtype)
+
+
+def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
+           cfg: KernelConfig):
+    b, lp, hq, d = q.shape
+    mp = ck.shape[1]
+    bc, bq = cfg.dkv_block_k, cfg.dkv_block_q
+    kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
+                               scale=1.0 / math.sqrt(d))
+    whole_q = pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, h, 0))
+    whole_rows = pl.BlockSpec((None, None, lp), lambda i, h, z: (z, h, 0))
+    bounds_row = pl.BlockSpec((None, lp), lambda i, h, z: (z, 0))
+    c_block = pl.BlockSpec((None, bc, None, d), lambda i, h, z: (z, i, h, 0))
+    slot_block = pl.BlockSpec((None, bc), lambda i, h, z: (z, i))
+    return pl.pallas_call(
+        kernel,
+        grid=(mp // bc, hq, b),
+        in_specs=[whole_q, whole_q, whole_rows, whole_rows, bounds_row, bounds_row,
+                  c_block, c_block, slot_block, slot_block],
+        out_specs=[c_block, c_block],
+        out_shape=[jax.ShapeDtypeStruct(ck.shape, ck.dtype),
+                   jax.ShapeDtypeStruct(cv.shape, cv.dtype)],
+        compiler_params=_params(cfg.dkv_num_warps, cfg.dkv_num_stages),
+        interpret=cfg.interpret,
+        name="cca_bwd_dcore",
+    )(q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row)
+
+
+# ---- padding and the custom VJP ----------------------------------------------------------------
+
+def _pad_rows(x, total: int):
+    extra = total - x.shape[1]
+    if extra == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, extra)
+    return jnp.pad(x, pad)
+
+
+def _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
+    """Zero-pad rows to whole blocks; padded rows see only themselves (bounds stay monotone)."""
+    b, length = q.shape[:2]
+    lp = _round_up(length, cfg.row_multiple)
+    mp = _round_up(max(ck.shape[1], 1), cfg.slot_multiple)
+    extra = lp - length
+    if extra:
+        pad_rows = jnp.broadcast_to(jnp.arange(length, lp, dtype=jnp.int32), (b, extra))
+        raw_lo = jnp.concatenate([raw_lo, pad_rows], axis=1)
+        core_lo = jnp.pad(core_lo, ((0, 0), (0, extra)), mode="edge")
+        core_hi = jnp.pad(core_hi, ((0, 0), (0, extra)), mode="edge")
+    return (_pad_rows(q, lp), _pad_rows(k, lp), _pad_rows(v, lp), _pad_rows(ck, mp),
+            _pad_rows(cv, mp), raw_lo, core_lo, core_hi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def cca_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
+    """One softmax over raw keys `[raw_lo, t]` and core slots `[core_lo, core_hi)` per row."""
+    return _cca_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg)[0]
+
+
+def _cca_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg):
+    length = q.shape[1]
+    padded = _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg)
+    out, lse = _forward(*padded, cfg)
+    out = out[:, :length]
+    return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
+
+
+def _cca_bwd(cfg, residuals, dout):
+    q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse = residuals
+    length, m = q.shape[1], ck.shape[1]
+    qp, kp, vp, ckp, cvp, rlo, clo, chi = _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi,
+                                                  cfg)
+    lp, mp = qp.shape[1], ckp.shape[1]
+    # delta = rowsum(dO * O) [B, Hq, Lp]; the scale of the log2 softmax cancels in dS.
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, lp - length)))
+    dop = _pad_rows(dout.astype(q.dtype), lp)
+    last_row = blocks.raw_key_rows(rlo)
+    first_row, end_row = blocks.core_slot_rows(clo, chi, mp)
+    dq = _dq(qp, kp, vp, ckp, cvp, dop, lse, delta, rlo, clo, chi, cfg)
+    dk, dv = _dkv(qp, kp, vp, dop, lse, delta, rlo, last_row, cfg)
+    dck, dcv = _dcore(qp, ckp, cvp, dop, lse, delta, clo, chi, first_row, end_row, cfg)
+    return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m],
+            None, None, None)
+
+
+cca_core_attention.defvjp(_cca_fwd, _cca_bwd)
