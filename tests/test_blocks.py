@@ -103,3 +103,74 @@ def test_core_block_bounds_are_analytic_for_traced_values():
         want = blocks.raw_block_bounds(i, 64, 64, 4096, 16, 1024) + blocks.core_block_bounds(
             i, 64, 64, 4096, 16, 1024)
         assert tuple(int(x) for x in fn(i)) == tuple(want)
+
+
+# ---- query blocks per key block / core block (backward kernels) ----------------------------
+
+def _rows_seeing(raw, core):
+    """Per key / per slot, the rows that see it, straight from the dense masks."""
+    return raw.T, core.T
+
+
+@pytest.mark.parametrize("g,s,bq,bk", [(1, 1, 4, 4), (4, 6, 8, 4), (3, 7, 4, 8), (4, 16, 8, 8),
+                                       (2, 5, 16, 4), (5, 3, 8, 8)])
+@pytest.mark.parametrize("length,seed", [(37, None), (64, None), (53, 0), (61, 1)])
+def test_row_blocks_for_key_blocks_cover_exactly_the_visible_rows(g, s, bq, bk, length, seed):
+    seg = None
+    if seed is not None:
+        rng = np.random.default_rng(seed)
+        seg = np.sort(rng.integers(0, 3, length))[None]
+    raw, core = blocks.dense_visibility(length, g, s, seg)
+    raw, core = raw[0], core[0]
+    r = blocks.row_ranges(length, g, s, seg)
+    raw_lo = np.broadcast_to(np.asarray(r.raw_lo), (1, length))
+    core_lo = np.broadcast_to(np.asarray(r.core_lo), (1, length))
+    core_hi = np.broadcast_to(np.asarray(r.core_hi), (1, length))
+    m = core.shape[1]
+    num_slots = -(-max(m, 1) // bk) * bk          # padded like the kernels do
+    last_row = np.asarray(blocks.raw_key_rows(raw_lo))[0]
+    first_row, end_row = (np.asarray(x)[0] for x in blocks.core_slot_rows(core_lo, core_hi,
+                                                                          num_slots))
+    # Per member: exactly the rows that see it.
+    for u in range(length):
+        np.testing.assert_array_equal(np.nonzero(raw[:, u])[0], np.arange(u, last_row[u] + 1))
+    for c in range(num_slots):
+        want = np.nonzero(core[:, c])[0] if c < m else np.zeros(0, int)
+        np.testing.assert_array_equal(want, np.arange(first_row[c], end_row[c] + 1))
+    nq = -(-length // bq)
+
+    def check(tile_fn, bounds, tight):
+        first, ffirst, flast, last = (int(x) for x in bounds)
+        assert first <= ffirst <= flast <= last
+        for qb in range(nq):
+            tile = tile_fn(slice(qb * bq, min((qb + 1) * bq, length)))
+            if tile.any():
+                assert first <= qb < last, qb
+            elif tight:
+                assert not first <= qb < last, qb
+            if ffirst <= qb < flast:
+                assert tile.all() and tile.shape[0] == bq, qb
+
+    for kb in range(-(-length // bk)):
+        k0, k1 = kb * bk, min((kb + 1) * bk, length) - 1
+        bounds = blocks.row_blocks_for_interval(k0, k1, last_row[k0], last_row[k1], bq)
+        full_width = k1 - k0 + 1 == bk
+        check(lambda rows: raw[rows, k0:k1 + 1] if full_width else
+              np.pad(raw[rows, k0:k1 + 1], ((0, 0), (0, bk - (k1 - k0 + 1)))),
+              bounds, tight=True)
+    padded_core = np.pad(core, ((0, 0), (0, num_slots - m)))
+    for cb in range(num_slots // bk):
+        c0, c1 = cb * bk, (cb + 1) * bk - 1
+        bounds = blocks.row_blocks_for_interval(first_row[c0], first_row[c1], end_row[c0],
+                                                end_row[c1], bq)
+        check(lambda rows: padded_core[rows, c0:c1 + 1], bounds, tight=seg is None)
+
+
+def test_row_blocks_for_interval_traced():
+    import jax
+    import jax.numpy as jnp
+    fn = jax.jit(lambda a0, a1, b0, b1: jnp.stack(blocks.row_blocks_for_interval(
+        a0, a1, b0, b1, 64)))
+    for args in [(0, 63, 1100, 1163), (4096, 4159, 131071, 131071), (5, 9, 4, 4)]:
+        assert tuple(int(x) for x in fn(*args)) == tuple(
+            blocks.row_blocks_for_interval(*args, 64))

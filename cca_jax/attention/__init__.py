@@ -32,15 +32,23 @@ def _not_yet(name: str, issue_hint: str) -> Callable:
     return run
 
 
+def _pallas_gpu(q, k, v, **kwargs):
+    from pallas_kernels.gpu import cca_attention_pallas_gpu  # lazy: kernels import this package
+    return cca_attention_pallas_gpu(q, k, v, **kwargs)
+
+
 _IMPLEMENTATIONS: dict[str, Callable] = {
     "naive": cca_attention_naive,
     "xla": cca_attention_xla,
-    "pallas_gpu": _not_yet("pallas_gpu", "the Pallas GPU kernels are being written"),
+    "pallas_gpu": _pallas_gpu,
     "pallas_tpu": _not_yet("pallas_tpu", "the Pallas TPU kernels are being written"),
 }
 
 # What "auto" means on each backend: the fastest implementation that exists there.
-_AUTO_BY_BACKEND = {"cpu": "xla", "gpu": "xla", "cuda": "xla", "rocm": "xla", "tpu": "xla"}
+# ("pallas_gpu" needs head_dim 64 or 128; `cca_attention` falls back to "xla" otherwise.)
+_AUTO_BY_BACKEND = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "xla",
+                    "tpu": "xla"}
+_PALLAS_GPU_HEAD_DIMS = (64, 128)
 
 
 def resolve_implementation(implementation: str, backend: str | None = None) -> str:
@@ -104,6 +112,10 @@ def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
     window_size = _static_int("window_size", window_size)
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}.")
-    impl = _IMPLEMENTATIONS[resolve_implementation(implementation)]
+    name = resolve_implementation(implementation)
+    if name == "pallas_gpu" and implementation == "auto" and (
+            q.shape[-1] not in _PALLAS_GPU_HEAD_DIMS):
+        name = "xla"
+    impl = _IMPLEMENTATIONS[name]
     return impl(q, k, v, group_size=group_size, window_size=window_size, pooling=pooling,
                 segment_ids=segment_ids)
