@@ -33,6 +33,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True, "attention_bias": False},
 }
 
+# What `to_hf_dict` writes per family besides the architecture fields: the transformers class,
+# and keys whose transformers default would change the model (Mistral/Qwen2 sliding windows).
+_FAMILY_HF_EXPORT: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"]},
+    "mistral": {"architectures": ["MistralForCausalLM"], "sliding_window": None},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
+              "sliding_window": None},
+}
+
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:
@@ -151,6 +160,7 @@ class LlamaConfig:
     attention_bias: bool = False        # bias on q, k, v and o projections (HF LLaMA)
     qkv_bias: bool | None = None        # bias on q, k, v only (Qwen2); None: attention_bias
     mlp_bias: bool = False
+    model_type: str = "llama"           # HF family the weights came from (export target)
     # How to run it.
     attention: str = "cca"
     cca: CCAConfig = dataclasses.field(default_factory=CCAConfig)
@@ -192,6 +202,8 @@ class LlamaConfig:
                  f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}.")
         _require(self.remat in REMAT_POLICIES,
                  f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+        _require(self.model_type in _FAMILY_DEFAULTS,
+                 f"model_type must be one of {sorted(_FAMILY_DEFAULTS)}, got {self.model_type!r}.")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -231,7 +243,7 @@ class LlamaConfig:
                 "Set sliding_window to null (or use_sliding_window to false) to convert it.")
         act = hf.get("hidden_act", "silu")
         _require(act == "silu", f"hidden_act {act!r} is not supported (only 'silu').")
-        values = dict(_FAMILY_DEFAULTS[model_type])
+        values = dict(_FAMILY_DEFAULTS[model_type], model_type=model_type)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                      "max_position_embeddings", "tie_word_embeddings", "attention_bias",
@@ -267,8 +279,27 @@ class LlamaConfig:
                 raise ValueError(f"{file!r} is not valid JSON ({e}).") from None
         return cls.from_hf_dict(hf, **overrides)
 
-    def to_hf_dict(self, model_type: str = "llama") -> dict[str, Any]:
-        """A HF `config.json` dict for this architecture, CCA settings under CCA_CONFIG_KEY."""
+    def to_hf_dict(self, model_type: str | None = None) -> dict[str, Any]:
+        """A HF `config.json` dict for this architecture, CCA settings under CCA_CONFIG_KEY.
+
+        `model_type` (default: `self.model_type`, the family the weights came from) picks the
+        transformers class; raises if that family cannot express this config's biases.
+        """
+        model_type = self.model_type if model_type is None else model_type
+        _require(model_type in _FAMILY_HF_EXPORT,
+                 f"Cannot export model_type {model_type!r}; supported: {sorted(_FAMILY_HF_EXPORT)}.")
+        implied = _FAMILY_DEFAULTS[model_type]
+        if "qkv_bias" in implied:
+            _require(self.qkv_bias == implied["qkv_bias"]
+                     and self.attention_bias == implied["attention_bias"],
+                     f"A {model_type} config implies qkv_bias={implied['qkv_bias']} and "
+                     f"attention_bias={implied['attention_bias']}; this config has "
+                     f"{self.qkv_bias} / {self.attention_bias}. Export as another model_type.")
+        else:
+            _require(self.qkv_bias == self.attention_bias,
+                     f"model_type {model_type!r} has one attention_bias for q, k, v and o; this "
+                     f"config has qkv_bias={self.qkv_bias}, attention_bias={self.attention_bias} "
+                     "(export it as model_type='qwen2' if o_proj has no bias).")
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -290,7 +321,7 @@ class LlamaConfig:
             "dtype": self.param_dtype,
             CCA_CONFIG_KEY: self.cca.to_dict(),
         }
-        if model_type != "llama":
-            out["model_type"] = model_type
+        out["model_type"] = model_type
+        out.update(_FAMILY_HF_EXPORT[model_type])
         return out
 

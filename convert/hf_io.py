@@ -1,0 +1,282 @@
+"""Streaming readers and writers of Hugging Face weight files, plus atomic output directories.
+
+Reading: `open_hf_weights(dir)` finds `model.safetensors`, sharded safetensors with their
+`model.safetensors.index.json`, or `pytorch_model*.bin` (with or without index), and returns a
+`WeightReader` that loads ONE tensor at a time as numpy (bf16 via `ml_dtypes`). Safetensors are
+parsed here (8-byte header size, JSON header, raw bytes) and read with `seek` + `readinto`, so
+nothing is memory-mapped and a truncated file is caught before any data is used.
+
+Writing: `SafetensorsShardWriter` plans every shard's header up front from (name, shape, dtype)
+and then accepts tensors in any order, writing each at its offset; peak memory is the tensor
+being written. `AtomicOutputDir` builds output in a temporary sibling directory and renames it
+into place only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+# safetensors dtype code <-> numpy dtype.
+ST_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+NP_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+class ConversionError(ValueError):
+    """Bad input to a conversion (the message says what is wrong and how to fix it)."""
+
+
+# ---- reading -------------------------------------------------------------------------------
+class _SafetensorsFile:
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ConversionError(f"{path} is truncated or not a safetensors file "
+                                      f"({size} bytes).")
+            (n,) = struct.unpack("<Q", raw)
+            if 8 + n > size:
+                raise ConversionError(f"{path} is truncated: header claims {n} bytes, the file "
+                                      f"has {size}. Re-download or re-export it.")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConversionError(f"{path}: unreadable safetensors header ({e}).") from None
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        self.entries = header
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        if self.data_start + end > size:
+            raise ConversionError(
+                f"{path} is truncated: tensors need {self.data_start + end} bytes, the file has "
+                f"{size}. Re-download or re-export it.")
+
+    def read(self, name: str) -> np.ndarray:
+        e = self.entries[name]
+        if e["dtype"] not in ST_DTYPES:
+            raise ConversionError(f"{self.path}: tensor {name} has unsupported dtype "
+                                  f"{e['dtype']}; supported: {sorted(ST_DTYPES)}.")
+        dtype = ST_DTYPES[e["dtype"]]
+        start, end = e["data_offsets"]
+        out = np.empty(e["shape"], dtype)
+        if out.nbytes != end - start:
+            raise ConversionError(f"{self.path}: tensor {name} has {end - start} bytes for shape "
+                                  f"{e['shape']} {e['dtype']} (corrupt header).")
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + start)
+            got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+        if got != out.nbytes:
+            raise ConversionError(f"{self.path}: short read of {name} (truncated file).")
+        return out
+
+
+class WeightReader:
+    """name -> numpy tensor, one at a time, over the weight files of a HF checkpoint."""
+
+    def __init__(self, files: dict[str, object], names: dict[str, tuple[int, ...]],
+                 description: str):
+        self._where = files            # tensor name -> file object
+        self.shapes = names            # tensor name -> shape
+        self.description = description
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise ConversionError(f"The checkpoint ({self.description}) has no tensor {name!r}.")
+        return self._where[name].read(name)
+
+
+class _TorchBinFile:
+    def __init__(self, path: Path):
+        import torch  # only needed for pytorch_model*.bin checkpoints
+        try:
+            self._sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
+            raise ConversionError(f"{path} cannot be read by torch.load ({type(e).__name__}: "
+                                  f"{e}); it may be truncated.") from None
+        self.entries = {k: tuple(v.shape) for k, v in self._sd.items()}
+
+    def read(self, name: str) -> np.ndarray:
+        import torch
+        t = self._sd[name].detach().contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        return t.numpy().copy()
+
+
+def _index_files(index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ConversionError(f"{index} is not a valid weight index ({e}).") from None
+    return sorted(set(weight_map.values()))
+
+
+def open_hf_weights(hf_dir: str | os.PathLike) -> WeightReader:
+    """A reader over the weights in `hf_dir` (safetensors preferred over .bin)."""
+    d = Path(hf_dir)
+    candidates = ("model.safetensors.index.json", "model.safetensors",
+                  "pytorch_model.bin.index.json", "pytorch_model.bin")
+    for fname in candidates:
+        p = d / fname
+        if not p.exists():
+            continue
+        shards = _index_files(p) if fname.endswith(".json") else [fname]
+        missing = [s for s in shards if not (d / s).exists()]
+        if missing:
+            raise ConversionError(f"{p} lists shard files that are missing in {d}: {missing}.")
+        opener = _SafetensorsFile if "safetensors" in fname else _TorchBinFile
+        where, shapes = {}, {}
+        for s in shards:
+            f = opener(d / s)
+            for name, e in f.entries.items():
+                where[name] = f
+                shapes[name] = tuple(e["shape"]) if isinstance(e, dict) else e
+        return WeightReader(where, shapes, f"{d}/{fname}")
+    raise FileNotFoundError(
+        f"No weights in {d}: expected model.safetensors, model.safetensors.index.json with its "
+        "shards, pytorch_model.bin or pytorch_model.bin.index.json.")
+
+
+# ---- writing -------------------------------------------------------------------------------
+class SafetensorsShardWriter:
+    """Writes tensors, in any order, into pre-planned safetensors shards (+ index if > 1)."""
+
+    def __init__(self, out_dir: Path, specs: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+                 max_shard_bytes: int = 5 * 2**30):
+        self.out_dir = out_dir
+        shards: list[list[tuple[str, tuple[int, ...], np.dtype]]] = [[]]
+        size = 0
+        for name, shape, dtype in specs:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, tuple(shape), np.dtype(dtype)))
+            size += nbytes
+        n = len(shards)
+        self.where: dict[str, tuple[Path, int, tuple[int, ...], np.dtype]] = {}
+        self.files: list[Path] = []
+        self.total_bytes = 0
+        for k, shard in enumerate(shards):
+            fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name, shape, dtype in shard:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                header[name] = {"dtype": NP_TO_ST[dtype], "shape": list(shape),
+                                "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            path = out_dir / fname
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(blob)) + blob)
+                f.truncate(8 + len(blob) + offset)
+            for name, shape, dtype in shard:
+                start = 8 + len(blob) + header[name]["data_offsets"][0]
+                self.where[name] = (path, start, shape, dtype)
+            self.files.append(path)
+            self.total_bytes += offset
+        self.written: set[str] = set()
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {name: self.where[name][0].name for name, _, _ in specs}}
+            (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        path, start, shape, dtype = self.where[name]
+        if tuple(array.shape) != shape or array.dtype != dtype:
+            raise ConversionError(f"{name}: planned {shape} {dtype}, got {array.shape} "
+                                  f"{array.dtype}.")
+        with open(path, "r+b") as f:
+            f.seek(start)
+            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self.written.add(name)
+
+    def close(self) -> None:
+        missing = set(self.where) - self.written
+        if missing:
+            raise ConversionError(f"{len(missing)} planned tensors were never written: "
+                                  f"{sorted(missing)[:5]}...")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+# ---- output directory and progress --------------------------------------------------------
+class AtomicOutputDir:
+    """`with AtomicOutputDir(out, force) as tmp:` build in `tmp`; renamed to `out` on success.
+
+    An existing `out` is refused unless `force` (then replaced only after success). On any
+    error the temporary directory is removed, so nothing that looks complete is left behind.
+    """
+
+    def __init__(self, out: str | os.PathLike, force: bool = False):
+        self.out = Path(out).absolute()
+        if self.out.exists() and not force:
+            raise FileExistsError(f"Output {self.out} already exists; pass --force (force=True) "
+                                  "to replace it.")
+        self.force = force
+
+    def __enter__(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            os.rename(self.out, old)
+        os.rename(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return False
+
+
+class Progress:
+    """`tensor i/N name shape  MB  MB/s` lines on stderr (or silent)."""
+
+    def __init__(self, total: int, verbose: bool = True, stream=None):
+        self.total, self.verbose, self.stream = total, verbose, stream or sys.stderr
+        self.i, self.bytes, self.t0 = 0, 0, time.perf_counter()
+
+    def step(self, name: str, shape: Iterable[int], nbytes: int) -> None:
+        self.i += 1
+        self.bytes += nbytes
+        if self.verbose:
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            print(f"tensor {self.i}/{self.total} {name} {tuple(shape)} "
+                  f"{nbytes / 1e6:.1f} MB | {self.bytes / 1e6:.0f} MB total, "
+                  f"{self.bytes / 1e6 / dt:.0f} MB/s", file=self.stream, flush=True)
