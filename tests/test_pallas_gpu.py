@@ -15,7 +15,7 @@ from cca_jax.attention import cca_attention_xla
 from pallas_kernels.gpu import cca_attention_pallas_gpu, kernel_config
 
 SMALL = dict(block_q=32, block_k=16, dq_block_q=16, dq_block_k=32, dkv_block_k=16,
-             dkv_block_q=32)
+             dkv_block_q=32, dc_block_k=32, dc_block_q=16)
 
 
 def _inputs(seed, b, length, hq, hkv, d, dtype=jnp.float32):

@@ -53,20 +53,24 @@ class KernelConfig(NamedTuple):
     dq_block_k: int = 64
     dq_num_warps: int = 4
     dq_num_stages: int = 2
-    dkv_block_k: int = 64       # dk/dv (raw) and dck/dcv (core) kernels
+    dkv_block_k: int = 64       # dk/dv kernel (raw key blocks)
     dkv_block_q: int = 64
     dkv_num_warps: int = 4
     dkv_num_stages: int = 2
+    dc_block_k: int = 64        # dck/dcv kernel (core blocks)
+    dc_block_q: int = 64
+    dc_num_warps: int = 4
+    dc_num_stages: int = 2
     interpret: bool = False
 
     @property
     def row_multiple(self) -> int:
         return max(self.block_q, self.block_k, self.dq_block_q, self.dq_block_k,
-                   self.dkv_block_k, self.dkv_block_q)
+                   self.dkv_block_k, self.dkv_block_q, self.dc_block_q)
 
     @property
     def slot_multiple(self) -> int:
-        return max(self.block_k, self.dq_block_k, self.dkv_block_k)
+        return max(self.block_k, self.dq_block_k, self.dc_block_k)
 
 
 def _round_up(x: int, n: int) -> int:
@@ -375,7 +379,7 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
            cfg: KernelConfig):
     b, lp, hq, d = q.shape
     mp = ck.shape[1]
-    bc, bq = cfg.dkv_block_k, cfg.dkv_block_q
+    bc, bq = cfg.dc_block_k, cfg.dc_block_q
     kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
                                scale=1.0 / math.sqrt(d))
     whole_q = pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, h, 0))
@@ -391,7 +395,7 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
         out_specs=[c_block, c_block],
         out_shape=[jax.ShapeDtypeStruct(ck.shape, ck.dtype),
                    jax.ShapeDtypeStruct(cv.shape, cv.dtype)],
-        compiler_params=_params(cfg.dkv_num_warps, cfg.dkv_num_stages),
+        compiler_params=_params(cfg.dc_num_warps, cfg.dc_num_stages),
         interpret=cfg.interpret,
         name="cca_bwd_dcore",
     )(q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row)
