@@ -42,11 +42,19 @@ def _cca(impl):
     return run
 
 
+PALLAS_CONFIG: dict = {}   # KernelConfig overrides for cca_pallas_gpu (--pallas-config)
+
+
+def _cca_pallas_gpu(q, k, v, g, s):
+    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    return cca_attention_pallas_gpu(q, k, v, group_size=g, window_size=s, **PALLAS_CONFIG)
+
+
 def _full_cudnn(q, k, v, g, s):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca("pallas_gpu"),
+IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca_pallas_gpu,
          "full_cudnn": _full_cudnn}
 
 
@@ -84,7 +92,7 @@ def bench_one(name, q, k, v, g, s, ct, iters):
     rec["fwd_bwd_mem_gib"] = (_memory_bytes(bwd_c) or 0) / 2**30
     rec["fwd_ms"] = _median_ms(fwd_c, (q, k, v), 2, iters)
     rec["fwd_bwd_ms"] = _median_ms(bwd_c, (q, k, v), 2, iters)
-    return rec, fwd_c(q, k, v)
+    return rec, fwd_c(q, k, v), bwd_c(q, k, v)
 
 
 def main(argv=None):
@@ -98,7 +106,12 @@ def main(argv=None):
     ap.add_argument("--s", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/attention_h200")
+    ap.add_argument("--pallas-config", default=None,
+                    help="JSON file of KernelConfig overrides for cca_pallas_gpu")
     args = ap.parse_args(argv)
+    if args.pallas_config:
+        with open(args.pallas_config) as f:
+            PALLAS_CONFIG.update(json.load(f))
     impls = args.impls.split(",")
     records = []
     for length in map(int, args.lengths.split(",")):
@@ -110,14 +123,15 @@ def main(argv=None):
             v = jax.random.normal(key[2], shape_kv, jnp.bfloat16)
             ct = jax.random.normal(key[3], shape_q, jnp.float32)
             cca_scores = visible_scores(length, args.g, args.s)
-            reference = None
+            reference = reference_grads = None
             for name in impls:
                 scores = length * (length + 1) // 2 if name.startswith("full") else cca_scores
                 flops = 4 * scores * args.d * args.hq
                 rec = {"impl": name, "L": length, "hq": args.hq, "hkv": hkv, "d": args.d,
                        "g": args.g, "s": args.s, "b": 1, "dtype": "bfloat16"}
                 try:
-                    timing, out = bench_one(name, q, k, v, args.g, args.s, ct, args.iters)
+                    timing, out, grads = bench_one(name, q, k, v, args.g, args.s, ct,
+                                                   args.iters)
                 except Exception as e:  # record and go on: one failure must not lose the rest
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(f"{name} L={length} hkv={hkv}: {rec['error']}", flush=True)
@@ -127,7 +141,14 @@ def main(argv=None):
                 rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
                 rec["fwd_bwd_tflops"] = 3.5 * flops / rec["fwd_bwd_ms"] / 1e9
                 if name == "cca_xla":
-                    reference = out
+                    reference, reference_grads = out, grads
+                if name.startswith("cca") and reference_grads is not None:
+                    # Largest |dx - dx_xla| over q, k, v, relative to max |dx_xla|.
+                    rec["max_grad_rel_err"] = max(
+                        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                              / jnp.max(jnp.abs(b.astype(jnp.float32))))
+                        for a, b in zip(grads, reference_grads))
+                del grads
                 rec["max_err"] = (None if name.startswith("full") or reference is None else
                                   float(jnp.max(jnp.abs(out.astype(jnp.float32)
                                                         - reference.astype(jnp.float32)))))
@@ -148,19 +169,21 @@ def write_results(records, args, argv):
              f"Command: `{meta['command']}`", "",
              "B=1, bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd).", "",
              "| impl | L | Hq | Hkv | D | g | s | fwd ms | fwd+bwd ms | fwd TFLOP/s "
-             "| fwd+bwd TFLOP/s | fwd mem GiB | fwd+bwd mem GiB | max err vs xla |",
-             "|" + "---|" * 14]
+             "| fwd+bwd TFLOP/s | fwd mem GiB | fwd+bwd mem GiB | max err vs xla "
+             "| max grad rel err vs xla |",
+             "|" + "---|" * 15]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} | {r['d']} | "
-                         f"{r['g']} | {r['s']} | error: {r['error'][:80]} |" + " |" * 7)
+                         f"{r['g']} | {r['s']} | error: {r['error'][:80]} |" + " |" * 8)
             continue
         err = "" if r["max_err"] is None else f"{r['max_err']:.2e}"
+        gerr = "" if r.get("max_grad_rel_err") is None else f"{r['max_grad_rel_err']:.2e}"
         lines.append(
             f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} | {r['d']} | {r['g']} | {r['s']}"
             f" | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['fwd_tflops']:.1f}"
             f" | {r['fwd_bwd_tflops']:.1f} | {r['fwd_mem_gib']:.2f} | {r['fwd_bwd_mem_gib']:.2f}"
-            f" | {err} |")
+            f" | {err} | {gerr} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
