@@ -86,8 +86,11 @@ def bench_one(name, q, k, v, g, s, ct, iters):
 
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     rec = {}
+    start = time.perf_counter()
     fwd_c = fwd.lower(q, k, v).compile()
     bwd_c = fwd_bwd.lower(q, k, v).compile()
+    rec["compile_s"] = time.perf_counter() - start
+    print(f"  {name}: compiled in {rec['compile_s']:.1f} s", flush=True)
     rec["fwd_mem_gib"] = (_memory_bytes(fwd_c) or 0) / 2**30
     rec["fwd_bwd_mem_gib"] = (_memory_bytes(bwd_c) or 0) / 2**30
     rec["fwd_ms"] = _median_ms(fwd_c, (q, k, v), 2, iters)
@@ -136,6 +139,7 @@ def main(argv=None):
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(f"{name} L={length} hkv={hkv}: {rec['error']}", flush=True)
                     records.append(rec)
+                    write_results(records, args, argv, quiet=True)
                     continue
                 rec.update(timing)
                 rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
@@ -154,10 +158,11 @@ def main(argv=None):
                                                         - reference.astype(jnp.float32)))))
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
+                write_results(records, args, argv, quiet=True)  # keep what is done so far
     write_results(records, args, argv)
 
 
-def write_results(records, args, argv):
+def write_results(records, args, argv, quiet=False):
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
             "date": datetime.date.today().isoformat(),
@@ -186,7 +191,8 @@ def write_results(records, args, argv):
             f" | {err} | {gerr} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if not quiet:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
