@@ -237,6 +237,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--small", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--tune-only", action="store_true",
+                    help="stop after writing the best config (no end-to-end, no L=131072 check)")
     args = ap.parse_args(argv)
     interpret = jax.default_backend() == "cpu"
     budget = args.budget_s
@@ -262,6 +264,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "pallas_gpu_best.json"), "w") as f:
         json.dump(best, f, indent=1)
     length, hq, hkv, d, g, s = sweep_shape
+    if args.tune_only:
+        budget = 0.0
     end_to_end(length, hq, hkv, d, g, s, interpret, best, budget * 0.85)
     end_to_end(length, hq, 8 if hq % 8 == 0 else 1, d, g, s, interpret, best, budget * 0.85)
     if not args.skip_check:
