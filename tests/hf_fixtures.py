@@ -38,6 +38,7 @@ TINY = {
     "qwen2_yarn": ("Qwen2Config", dict(
         _BASE, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
         use_sliding_window=False,
+        max_position_embeddings=256,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64})),
     "mistral": ("MistralConfig", dict(_BASE, num_attention_heads=4, num_key_value_heads=2,

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -252,11 +253,14 @@ def stories(tmp_path_factory):
     return base, header
 
 
-def _greedy(model, prompt, n):
-    toks = list(prompt)
-    for _ in range(n):
-        toks.append(int(np.asarray(model(jnp.asarray([toks]), last_only=True))[0, -1].argmax()))
-    return toks
+def _greedy(model, length):
+    """BOS + greedy continuation to `length` tokens (one jitted fixed-shape causal forward)."""
+    fwd = nnx.jit(lambda m, ids: m(ids))
+    buf = np.zeros((1, length), np.int32)
+    buf[0, 0] = 1
+    for t in range(length - 1):
+        buf[0, t + 1] = int(np.asarray(fwd(model, jnp.asarray(buf)))[0, t].argmax())
+    return buf[0].tolist()
 
 
 def test_stories260k_fixture_conversion_and_perplexity(stories):
@@ -265,7 +269,7 @@ def test_stories260k_fixture_conversion_and_perplexity(stories):
     assert (h["dim"], h["n_layers"], h["n_heads"], h["n_kv_heads"]) == (64, 5, 8, 4)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(base / "hf").eval()
     ours = cca_jax.from_pretrained(base / "ours", attention="full")
-    text = _greedy(ours, [1], SEQ - 1)                 # BOS + the model's own continuation
+    text = _greedy(ours, SEQ)                          # BOS + the model's own continuation
     rand = np.random.default_rng(0).integers(0, h["vocab_size"], SEQ).tolist()
     for name, ids in (("greedy", text), ("random", rand)):
         ref = fx.llama2c_forward(h, w, ids)            # llama2.c convention, float64
@@ -277,6 +281,14 @@ def test_stories260k_fixture_conversion_and_perplexity(stories):
         # float32 noise grows with |logits| (~22 here): on random tokens allow 1e-5 relative.
         tol = TOL if name == "greedy" else 1e-5 * np.abs(ref).max()
         assert e_fix < tol and e_conv < tol
+    # The permutation matters: HF with llama2.c's raw (interleaved) wq/wk rows is far off.
+    with torch.no_grad():
+        for i, layer in enumerate(hf_model.model.layers):
+            layer.self_attn.q_proj.weight.copy_(torch.from_numpy(w["wq"][i].copy()))
+            layer.self_attn.k_proj.weight.copy_(torch.from_numpy(w["wk"][i].copy()))
+    unpermuted = np.abs(_torch_logits(hf_model, [text])[0] - fx.llama2c_forward(h, w, text))
+    print(f"stories260K without the wq/wk permutation: {unpermuted.max():.2f}")
+    assert unpermuted.max() > 0.1
     logp = jax.nn.log_softmax(jnp.asarray(_ours(base / "ours", [text], attention="cca",
                                                 group_size=16, window_size=64))[0], -1)
     nll = -np.mean([float(logp[t - 1, text[t]]) for t in range(1, len(text))])
