@@ -50,9 +50,10 @@ def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: 
     b, length, hq, d = q.shape
     reps = hq // k.shape[2]
     g, s = group_size, window_size
-    qf = q.astype(jnp.float32)
-    kf = jnp.repeat(k.astype(jnp.float32), reps, axis=2)
-    vf = jnp.repeat(v.astype(jnp.float32), reps, axis=2)
+    compute = jnp.promote_types(q.dtype, jnp.float32)  # float32, or float64 under x64
+    qf = q.astype(compute)
+    kf = jnp.repeat(k.astype(compute), reps, axis=2)
+    vf = jnp.repeat(v.astype(compute), reps, axis=2)
 
     doc, start, pos = _document_positions(segment_ids, b, length)
     nc = n_core(pos, g, s)                                            # [B, L]
@@ -67,7 +68,7 @@ def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: 
 
     ck, cv = _pool_every_position(qf, kf, vf, g, pooling)
     scale = 1.0 / math.sqrt(d)
-    neg = jnp.finfo(jnp.float32).min
+    neg = jnp.finfo(compute).min
     core_logits = jnp.einsum("bthd,behd->bhte", qf, ck) * scale
     raw_logits = jnp.einsum("bthd,buhd->bhtu", qf, kf) * scale
     logits = jnp.concatenate([
