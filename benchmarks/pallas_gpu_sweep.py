@@ -253,8 +253,9 @@ def main(argv=None):
                   (2, 5000, 8, 2, 64, 16, 1000, True),
                   (1, 131072, 32, 8, 128, 16, 1024, False)]
         sweep_shape = (131072, 32, 32, 128, 16, 1024)
-        fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)]
-        bwd = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]
+        # Only configs that compile without spills within 227 KiB (offline ptxas check).
+        fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 8, 2)]
+        bwd = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 8, 2), (128, 32, 8, 3)]
     bwd_cfgs = {"dq": bwd, "dkv": bwd, "dc": bwd}
     if not args.skip_check:
         check(shapes[:-1], interpret, budget * 0.3)

@@ -28,9 +28,9 @@ def kernel_config(group_size: int, window_size: int, head_dim: int, *, block_q=N
             raise ValueError(f"unknown kernel setting {name!r}.")
         if "block" in name:
             _check_block(name, value)
-    fwd = dict(block_q=block_q or 128, block_k=block_k or 64,
-               num_warps=num_warps or (8 if head_dim == 128 else 4),
-               num_stages=num_stages or 3)
+    fwd = {name: value for name, value in (("block_q", block_q), ("block_k", block_k),
+                                           ("num_warps", num_warps),
+                                           ("num_stages", num_stages)) if value is not None}
     fwd.update(backward)
     return KernelConfig(group_size, window_size, interpret=interpret, **fwd)
 

@@ -45,22 +45,25 @@ class KernelConfig(NamedTuple):
     """Static tiling of all four kernels (hashable: a custom_vjp non-diff argument)."""
     group_size: int
     window_size: int
+    # Defaults: no register spills and <= 227 KiB shared memory for D=128 bf16 on sm_90 with
+    # wgmma (checked offline with Triton's ptxas, see benchmarks/results/attention_h200.md);
+    # not yet tuned by timing on the H200.
     block_q: int = 128          # forward
     block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    dq_block_q: int = 64        # dq kernel
+    num_warps: int = 8
+    num_stages: int = 3
+    dq_block_q: int = 128       # dq kernel
     dq_block_k: int = 64
-    dq_num_warps: int = 4
+    dq_num_warps: int = 8
     dq_num_stages: int = 2
-    dkv_block_k: int = 64       # dk/dv kernel (raw key blocks)
-    dkv_block_q: int = 64
-    dkv_num_warps: int = 4
-    dkv_num_stages: int = 2
-    dc_block_k: int = 64        # dck/dcv kernel (core blocks)
+    dkv_block_k: int = 128      # dk/dv kernel (raw key blocks)
+    dkv_block_q: int = 32
+    dkv_num_warps: int = 8
+    dkv_num_stages: int = 3
+    dc_block_k: int = 128       # dck/dcv kernel (core blocks)
     dc_block_q: int = 64
-    dc_num_warps: int = 4
-    dc_num_stages: int = 2
+    dc_num_warps: int = 8
+    dc_num_stages: int = 3
     interpret: bool = False
 
     @property
@@ -286,10 +289,8 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
     c = scale * _LOG2E
     bounds = blocks.row_blocks_for_interval(k0, k0 + block_k - 1, jnp.min(last_row),
                                             jnp.max(last_row), block_q)
-    dk = jnp.zeros(kb.shape, jnp.float32)
-    dv = jnp.zeros(vb.shape, jnp.float32)
-    for gi in range(groups):     # query heads of this KV head, summed in registers
-        def body(i, carry, masked, gi=gi):
+    def head(gi, carry):         # query heads of this KV head, summed in registers
+        def body(i, carry, masked):
             dk, dv = carry
             r0 = i * block_q
             q = q_ref[pl.ds(r0, block_q), pl.ds(gi * head_dim, head_dim)]
@@ -303,7 +304,13 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
                 vis = (keys[:, None] >= rlo[None, :]) & (keys[:, None] <= rows[None, :])
                 s_t = jnp.where(vis, s_t, _MASKED)
             return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv)
-        dk, dv = _split_loops(bounds, body, (dk, dv))
+        return _split_loops(bounds, body, carry)
+
+    zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+    if groups == 1:
+        dk, dv = head(0, zeros)
+    else:   # a loop, not unrolled: one copy of the code, registers shared across heads
+        dk, dv = lax.fori_loop(0, groups, head, zeros)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
