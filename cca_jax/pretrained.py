@@ -17,6 +17,7 @@ Restore accepts a params tree saved here, a train state with the params nested i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -60,9 +61,19 @@ class _LazyArrayHandler(ocp.type_handlers.NumpyHandler):
                 arr = value.build()
                 await self._background_serialize([arr], [info], [arg])
                 del arr
+                release_freed_memory()
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write_one_by_one(),
                                                                  name="lazy_array_handler")]
+
+
+def release_freed_memory() -> None:
+    """Give freed heap back to the OS (glibc keeps big freed blocks in tensorstore's thread
+    arenas otherwise, which would add up to a leaf's size to the converter's RSS)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _lazy_registry():
@@ -247,16 +258,25 @@ def from_pretrained(path: str | os.PathLike, *, attention: str = "cca",
                                           param_dtype=dtype, **overrides)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     expected = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    params = reader.read_all(dtype)
-    want = {jax.tree_util.keystr(k): v.shape
-            for k, v in jax.tree_util.tree_flatten_with_path(expected)[0]}
-    got = {jax.tree_util.keystr(k): v.shape
-           for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    want = {k: tuple(v.shape) for k, v in _flat(expected)}
+    got = {k: tuple(m.shape) for k, m in reader.leaves()}
     if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))[:6]
-        raise ValueError(f"Checkpoint {reader.dir} does not match config.json: differing "
+        raise ValueError(f"Checkpoint {reader.dir} does not match its config.json: differing "
                          f"(param, shape) pairs {diff}.")
+    # Leaf by leaf: host memory holds one numpy leaf besides the arrays already placed.
+    params = {}
+    for keys in want:
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = jax.numpy.asarray(reader.read(keys, dtype))
     state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
+    nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return model
+
+
+def _flat(tree) -> list[tuple[tuple, Any]]:
+    return [(tuple(str(k.key) for k in path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]

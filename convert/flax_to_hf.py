@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from cca_jax.config import LlamaConfig
-from cca_jax.pretrained import CheckpointReader, find_config
+from cca_jax.pretrained import CheckpointReader, find_config, release_freed_memory
 from convert.hf_io import (AtomicOutputDir, ConversionError, Progress, SafetensorsShardWriter,
                            copy_tokenizer_files)
 from convert.layout import iter_hf_tensors, param_specs
@@ -61,7 +61,8 @@ def convert_flax_to_hf(ckpt, out_dir, *, config: str | None = None, force: bool 
                 hf = spec.to_hf(part)
                 writer.write(name, hf)
                 progress.step(name, hf.shape, hf.nbytes)
-            del ours
+            del ours, part, hf
+            release_freed_memory()
         writer.close()
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
         copied = copy_tokenizer_files(config_path.parent, tmp)
