@@ -142,6 +142,31 @@ def test_bad_inputs():
         kernel_config(4, 8, 64, dq_blockq=16)
 
 
+@pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 8), ("float16", 64, 4),
+                                         ("float32", 128, 4)])
+def test_lowers_through_triton_for_cuda(dtype, d, hkv):
+    """Cross-lower fwd+bwd for CUDA on any machine: every kernel goes through the Triton
+    lowering (catches unsupported ops and shapes; not shared-memory limits or Triton's own
+    compile, which happen on the GPU)."""
+    q = jax.ShapeDtypeStruct((1, 1024, 8, d), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, 1024, hkv, d), jnp.dtype(dtype))
+
+    def loss(q, k, v):
+        return jnp.sum(cca_attention_pallas_gpu(q, k, v, group_size=16, window_size=256,
+                                                interpret=False).astype(jnp.float32))
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 4   # fwd, dq, dk/dv, dck/dcv
+
+
+def test_kernel_config_defaults():
+    bf16 = kernel_config(16, 1024, 128, dtype=jnp.bfloat16)
+    f32 = kernel_config(16, 1024, 128, dtype=jnp.float32)
+    assert (bf16.block_q, bf16.block_k, bf16.num_warps) == (128, 64, 8)
+    assert f32.block_q * f32.block_k < bf16.block_q * bf16.block_k
+    assert kernel_config(16, 1024, 128, dtype=jnp.float32, block_q=128).block_q == 128
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 def test_gpu_matches_xla():

@@ -17,10 +17,21 @@ def _check_block(name: str, value) -> None:
         raise ValueError(f"{name} must be one of {_POW2} (a power of two), got {value!r}.")
 
 
-def kernel_config(group_size: int, window_size: int, head_dim: int, *, block_q=None,
-                  block_k=None, num_warps=None, num_stages=None, interpret: bool = False,
-                  **backward) -> KernelConfig:
-    """Tiling for the four kernels; keyword overrides for any KernelConfig field."""
+# float32 inputs: the bf16 tiles would need up to 260 KiB of shared memory on sm_90 (limit
+# 227 KiB); these fit (offline ptxas check), at some register spilling in dk/dv and dck/dcv.
+_FLOAT32_TILING = dict(block_q=64, block_k=32, num_warps=8, num_stages=2,
+                       dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=2,
+                       dkv_block_k=64, dkv_block_q=32, dkv_num_warps=8, dkv_num_stages=2,
+                       dc_block_k=64, dc_block_q=32, dc_num_warps=8, dc_num_stages=2)
+
+
+def kernel_config(group_size: int, window_size: int, head_dim: int, *, dtype=None,
+                  block_q=None, block_k=None, num_warps=None, num_stages=None,
+                  interpret: bool = False, **backward) -> KernelConfig:
+    """Tiling for the four kernels; keyword overrides for any KernelConfig field.
+
+    Defaults (KernelConfig) are for 2-byte inputs; float32 inputs get smaller tiles.
+    """
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         _check_block(name, value)
     for name, value in backward.items():
@@ -28,9 +39,11 @@ def kernel_config(group_size: int, window_size: int, head_dim: int, *, block_q=N
             raise ValueError(f"unknown kernel setting {name!r}.")
         if "block" in name:
             _check_block(name, value)
-    fwd = {name: value for name, value in (("block_q", block_q), ("block_k", block_k),
-                                           ("num_warps", num_warps),
-                                           ("num_stages", num_stages)) if value is not None}
+    fwd = dict(_FLOAT32_TILING) if dtype is not None and jnp.dtype(dtype).itemsize > 2 else {}
+    fwd.update({name: value for name, value in (("block_q", block_q), ("block_k", block_k),
+                                                ("num_warps", num_warps),
+                                                ("num_stages", num_stages))
+                if value is not None})
     fwd.update(backward)
     return KernelConfig(group_size, window_size, interpret=interpret, **fwd)
 
@@ -52,7 +65,8 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     b, length = q.shape[:2]
-    cfg = kernel_config(group_size, window_size, d, block_q=block_q, block_k=block_k,
+    cfg = kernel_config(group_size, window_size, d, dtype=q.dtype, block_q=block_q,
+                        block_k=block_k,
                         num_warps=num_warps, num_stages=num_stages,
                         interpret=bool(interpret), **backward)
     m = num_pooled_groups(length, group_size, window_size)
