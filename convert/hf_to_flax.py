@@ -97,17 +97,21 @@ def lazy_params(reader: WeightReader, specs: list[ParamSpec], dtype: np.dtype,
     return tree
 
 
-def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str = "bfloat16", group_size: int = 16,
-                       window_size: int = 1024, force: bool = False,
-                       verbose: bool = True) -> Path:
-    """Convert; returns the output directory. Raises before writing on bad input."""
+def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str = "bfloat16",
+                       group_size: int | None = None, window_size: int | None = None,
+                       force: bool = False, verbose: bool = True) -> Path:
+    """Convert; returns the output directory. Raises before writing on bad input.
+
+    `group_size` / `window_size` default to the CCA settings recorded in config.json (a
+    checkpoint exported by flax_to_hf keeps them), else to 16 / 1024.
+    """
     hf_dir = Path(hf_dir)
     np_dtype = check_dtype(dtype)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"--hf {hf_dir} is not a directory.")
-    cfg = LlamaConfig.from_pretrained_dir(hf_dir, param_dtype=dtype, dtype=dtype,
-                                          cca_group_size=group_size,
-                                          cca_window_size=window_size)
+    cca = {f"cca_{k}": v for k, v in (("group_size", group_size), ("window_size", window_size))
+           if v is not None}
+    cfg = LlamaConfig.from_pretrained_dir(hf_dir, param_dtype=dtype, dtype=dtype, **cca)
     reader = open_hf_weights(hf_dir)
     specs = param_specs(cfg)
     validate(reader, specs, cfg)
@@ -129,8 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--out", required=True, help="output directory (must not exist)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    ap.add_argument("--group-size", type=int, default=16, help="CCA group size g")
-    ap.add_argument("--window-size", type=int, default=1024, help="CCA local window s")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="CCA group size g (default: config.json's, else 16)")
+    ap.add_argument("--window-size", type=int, default=None,
+                    help="CCA local window s (default: config.json's, else 1024)")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     a = ap.parse_args(argv)

@@ -95,6 +95,29 @@ def test_rope_scaling_is_carried(tmp_path):
         convert_flax_to_hf(tmp_path / f"{family}_o", tmp_path / f"{family}_b", verbose=False)
         hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path / f"{family}_b")
         assert hf_cfg.rope_parameters["rope_type"] == rope_type
+    # transformers < 5 / Hub style: rope_theta + rope_scaling instead of rope_parameters.
+    c = json.loads((tmp_path / "llama3" / "config.json").read_text())
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope.pop("rope_theta")
+    c["rope_scaling"] = rope
+    (tmp_path / "llama3" / "config.json").write_text(json.dumps(c))
+    legacy = cca_jax.LlamaConfig.from_pretrained_dir(tmp_path / "llama3")
+    current = cca_jax.LlamaConfig.from_pretrained_dir(tmp_path / "llama3_o")
+    assert legacy.rope_scaling == current.rope_scaling and legacy.rope_theta == 500000.0
+
+
+def test_cca_settings_survive_export_and_reimport(tmp_path):
+    fx.make_tiny_hf("mistral", tmp_path / "hf")
+    convert_hf_to_flax(tmp_path / "hf", tmp_path / "o", group_size=4, window_size=32,
+                       verbose=False)
+    convert_flax_to_hf(tmp_path / "o", tmp_path / "b", verbose=False)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["cca_attention"][
+        "group_size"] == 4
+    convert_hf_to_flax(tmp_path / "b", tmp_path / "o2", verbose=False)
+    cfg = cca_jax.LlamaConfig.from_pretrained_dir(tmp_path / "o2")
+    assert (cfg.cca.group_size, cfg.cca.window_size, cfg.model_type) == (4, 32, "mistral")
+    model = cca_jax.from_pretrained(tmp_path / "o2", group_size=8)
+    assert model.config.cca.group_size == 8 and model.config.attention == "cca"
 
 
 def test_bf16_default_and_bit_exact_round_trip(tmp_path, capsys):
