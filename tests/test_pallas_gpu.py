@@ -159,6 +159,27 @@ def test_lowers_through_triton_for_cuda(dtype, d, hkv):
     assert lowered.as_text().count("xla.gpu.triton") == 4   # fwd, dq, dk/dv, dck/dcv
 
 
+def test_large_batches_run_in_chunks(monkeypatch):
+    """Arrays over 2**31 elements (int32 offsets in Triton) are split along the batch."""
+    import pallas_kernels.gpu.api as api
+    q, k, v, ct = _inputs(4, 5, 40, 2, 1, 64)
+    monkeypatch.setattr(api, "_MAX_ELEMS", 2 * (40 + 32) * 2 * 64 + 1)  # 2 rows a chunk
+    kw = dict(group_size=4, window_size=9)
+    small = dict(block_q=32, block_k=16, dq_block_q=16, dq_block_k=16, dkv_block_k=16,
+                 dkv_block_q=16, dc_block_k=16, dc_block_q=16)
+    out, grads = _value_and_grads(
+        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, interpret=True, **kw, **small),
+        q, k, v, ct)
+    ref, ref_grads = _value_and_grads(lambda q, k, v: cca_attention_naive(q, k, v, **kw),
+                                      q, k, v, ct)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
+    monkeypatch.setattr(api, "_MAX_ELEMS", 100)
+    with pytest.raises(ValueError, match="implementation='xla'"):
+        cca_attention_pallas_gpu(q, k, v, interpret=True, **kw)
+
+
 def test_kernel_config_defaults():
     bf16 = kernel_config(16, 1024, 128, dtype=jnp.bfloat16)
     f32 = kernel_config(16, 1024, 128, dtype=jnp.float32)

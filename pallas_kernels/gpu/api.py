@@ -10,6 +10,7 @@ from cca_jax.blocks import num_pooled_groups, row_ranges
 from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention
 
 _POW2 = (16, 32, 64, 128, 256)
+_MAX_ELEMS = 2**31 - 1
 
 
 def _check_block(name: str, value) -> None:
@@ -75,4 +76,16 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
                               group_start=ranges.group_start)
     bounds = tuple(jnp.broadcast_to(x, (b, length)).astype(jnp.int32)
                    for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
-    return cca_core_attention(q, k, v, ck, cv, *bounds, cfg)
+    # The Triton lowering computes element offsets in int32: keep every array a kernel sees
+    # (padded rows included) under 2**31 elements by running batch rows in chunks.
+    row_elems = (length + cfg.row_multiple) * q.shape[2] * d
+    if row_elems >= _MAX_ELEMS:
+        raise ValueError(
+            f"implementation='pallas_gpu' needs L * Hq * head_dim < 2**31 per batch row (int32 "
+            f"offsets), got L={length}, Hq={q.shape[2]}, D={d}; use implementation='xla'.")
+    chunk = max(1, _MAX_ELEMS // row_elems)
+    if b <= chunk:
+        return cca_core_attention(q, k, v, ck, cv, *bounds, cfg)
+    outs = [cca_core_attention(*(x[i:i + chunk] for x in (q, k, v, ck, cv, *bounds)), cfg)
+            for i in range(0, b, chunk)]
+    return jnp.concatenate(outs, axis=0)
