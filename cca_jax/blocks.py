@@ -42,12 +42,19 @@ def num_pooled_groups(length: int, group_size: int, window_size: int) -> int:
     return max(0, (length - window_size) // group_size)
 
 
-def _maximum(a, b):
-    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
-        return max(a, b)
-    if isinstance(a, np.ndarray):
-        return np.maximum(a, b)
-    return jnp.maximum(a, b)
+def _elementwise(python_fn, numpy_fn, jax_fn):
+    """One binary op on Python ints (stays an int), numpy arrays or jax values alike."""
+    def op(a, b):
+        if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+            return python_fn(a, b)
+        if isinstance(a, np.ndarray):
+            return numpy_fn(a, b)
+        return jax_fn(a, b)
+    return op
+
+
+_maximum = _elementwise(max, np.maximum, jnp.maximum)
+_minimum = _elementwise(min, np.minimum, jnp.minimum)
 
 
 class RowRanges(NamedTuple):
@@ -166,14 +173,6 @@ def core_block_bounds(q_block, block_q: int, block_c: int, length: int, group_si
 
 def _cdiv(a, b):
     return (a + b - 1) // b
-
-
-def _minimum(a, b):
-    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
-        return min(a, b)
-    if isinstance(a, np.ndarray):
-        return np.minimum(a, b)
-    return jnp.minimum(a, b)
 
 
 # ---- Query blocks per key block (backward passes over keys) --------------------------------
