@@ -2,6 +2,6 @@
 
 from cca_jax.attention import cca_attention
 from cca_jax.config import CCAConfig, LlamaConfig, RopeScaling
-from cca_jax.pretrained import from_pretrained  # noqa: E402  (convert/ checkpoints)
+from cca_jax.pretrained import from_pretrained
 
-__all__ = ["cca_attention", "CCAConfig", "LlamaConfig", "RopeScaling"]
+__all__ = ["cca_attention", "CCAConfig", "LlamaConfig", "RopeScaling", "from_pretrained"]

@@ -96,9 +96,23 @@ def save_tree(directory: str | os.PathLike, tree: Any) -> None:
     tree = jax.tree.map(
         lambda x: LazyArray(x.shape, x.dtype, lambda x=x: x) if isinstance(x, np.ndarray) else x,
         tree)
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_lazy_registry())
+    save_args = jax.tree.map(_save_args, tree)
+    # use_ocdbt=False: OCDBT buffers a whole array's encoded chunks in memory before its
+    # commit (measured: +2 GB for a 2.9 GB leaf); plain zarr writes chunk by chunk.
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_lazy_registry(),
+                                          use_ocdbt=False)
     with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(directory, args=ocp.args.PyTreeSave(tree))
+        ckptr.save(directory, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+
+
+def _save_args(leaf) -> ocp.SaveArgs:
+    """Chunks along the leading axis: one layer per chunk for stacked parameters (at least
+    16 MB), so tensorstore encodes chunk by chunk and a layer can be read alone."""
+    shape = getattr(leaf, "shape", ())
+    if len(shape) < 2 or shape[0] < 2:
+        return ocp.SaveArgs()
+    nbytes = int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return ocp.SaveArgs(chunk_byte_size=max(nbytes // shape[0], 16 * 2**20), shard_axes=(0,))
 
 
 def save_pretrained(directory: str | os.PathLike, params: Any, config: LlamaConfig) -> None:
