@@ -215,7 +215,7 @@ def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
 def end_to_end(length, hq, hkv, d, g, s, interpret, best, budget):
     if time.time() - T0 > budget:
         log({"step": "e2e", "skipped": "budget"})
-        return
+        return None
     q, k, v, ct = inputs(2, 1, length, hq, hkv, d)
     kw = dict(group_size=g, window_size=s, interpret=interpret, **best)
     fn = lambda q, k, v: cca_attention_pallas_gpu(q, k, v, **kw)  # noqa: E731
@@ -229,6 +229,7 @@ def end_to_end(length, hq, hkv, d, g, s, interpret, best, budget):
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     log(rec)
+    return rec.get("fwd_bwd_ms")
 
 
 def main(argv=None):
@@ -267,7 +268,14 @@ def main(argv=None):
     length, hq, hkv, d, g, s = sweep_shape
     if args.tune_only:
         budget = 0.0
-    end_to_end(length, hq, hkv, d, g, s, interpret, best, budget * 0.85)
+    times = {}
+    for fused in (False, True):   # the experimental atomic-dq backward against the default
+        cfg = {**best, "fused_dq": fused}
+        times[fused] = end_to_end(length, hq, hkv, d, g, s, interpret, cfg, budget * 0.85)
+    if times[True] is not None and (times[False] is None or times[True] < times[False]):
+        best["fused_dq"] = True
+        with open(os.path.join(args.out, "pallas_gpu_best.json"), "w") as f:
+            json.dump(best, f, indent=1)
     end_to_end(length, hq, 8 if hq % 8 == 0 else 1, d, g, s, interpret, best, budget * 0.85)
     if not args.skip_check:
         check(shapes[-1:], interpret, budget * 0.9)

@@ -64,6 +64,9 @@ class KernelConfig(NamedTuple):
     dc_block_q: int = 64
     dc_num_warps: int = 8
     dc_num_stages: int = 3
+    # Experimental: dq accumulated with float32 atomics inside the dk/dv and dck/dcv kernels
+    # (5 matmuls per score in the backward instead of 7; no dq kernel). Not yet timed.
+    fused_dq: bool = False
     interpret: bool = False
 
     @property
@@ -269,19 +272,28 @@ def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelCo
 
 # ---- backward: dk/dv over raw key blocks ----------------------------------------------------
 
-def _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv):
-    """One (key block, query block) tile, transposed: s_t [bk, bq] in log2 units."""
+def _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv, dq_add=None):
+    """One (key block, query block) tile, transposed: s_t [bk, bq] in log2 units.
+
+    dq_add(tile [bq, D] float32, unscaled) receives this tile's dq share when dq is fused.
+    """
     p_t = jnp.exp2(s_t - lse[None, :])
     dv = dv + _dot(p_t.astype(do.dtype), do)
     dp_t = _dot(vb, do, tb=True)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = dk + _dot(ds_t.astype(q.dtype), q)
+    ds_t = (p_t * (dp_t - delta[None, :])).astype(q.dtype)
+    dk = dk + _dot(ds_t, q)
+    if dq_add is not None:
+        dq_add(_dot(ds_t, kb, ta=True))
     return dk, dv
 
 
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_row_ref,
-                dk_ref, dv_ref, *, block_q: int, block_k: int, groups: int, head_dim: int,
-                padded_len: int, scale: float):
+                *refs, block_q: int, block_k: int, groups: int, head_dim: int,
+                padded_len: int, scale: float, fused_dq: bool):
+    if fused_dq:
+        _, dk_ref, dv_ref, dq_ref = refs     # dq: input aliased to the last output
+    else:
+        dk_ref, dv_ref = refs
     k0 = pl.program_id(0) * block_k
     keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
     kb, vb = k_ref[...], v_ref[...]
@@ -303,7 +315,13 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
                 rlo = rlo_ref[pl.ds(r0, block_q)]
                 vis = (keys[:, None] >= rlo[None, :]) & (keys[:, None] <= rows[None, :])
                 s_t = jnp.where(vis, s_t, _MASKED)
-            return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv)
+            dq_add = None
+            if fused_dq:
+                def dq_add(tile):
+                    plgpu.atomic_add(dq_ref, (pl.ds(r0, block_q), pl.ds(gi * head_dim,
+                                                                        head_dim)),
+                                     tile * scale)
+            return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv, dq_add)
         return _split_loops(bounds, body, carry)
 
     zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
@@ -315,7 +333,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
+def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig, dq_acc=None):
     b, lp, hq, d = q.shape
     hkv = k.shape[2]
     groups = hq // hkv
@@ -325,34 +343,49 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
     dog = do.reshape(b, lp, hkv, groups * d)
     lseg = lse.reshape(b, hkv, groups * lp)
     deltag = delta.reshape(b, hkv, groups * lp)
+    fused = dq_acc is not None
     kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk, groups=groups,
-                               head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d))
+                               head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d),
+                               fused_dq=fused)
     whole_q = pl.BlockSpec((None, lp, None, groups * d), lambda i, h, z: (z, 0, h, 0))
     whole_rows = pl.BlockSpec((None, None, groups * lp), lambda i, h, z: (z, h, 0))
     k_block = pl.BlockSpec((None, bk, None, d), lambda i, h, z: (z, i, h, 0))
-    return pl.pallas_call(
+    in_specs = [whole_q, whole_q, whole_rows, whole_rows,
+                pl.BlockSpec((None, lp), lambda i, h, z: (z, 0)),
+                k_block, k_block, pl.BlockSpec((None, bk), lambda i, h, z: (z, i))]
+    out_specs = [k_block, k_block]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    args = [qg, dog, lseg, deltag, raw_lo, k, v, last_row]
+    if fused:
+        in_specs.append(whole_q)
+        out_specs.append(whole_q)
+        out_shape.append(jax.ShapeDtypeStruct(qg.shape, jnp.float32))
+        args.append(dq_acc.reshape(qg.shape))
+    out = pl.pallas_call(
         kernel,
         grid=(lp // bk, hkv, b),
-        in_specs=[
-            whole_q, whole_q, whole_rows, whole_rows,
-            pl.BlockSpec((None, lp), lambda i, h, z: (z, 0)),
-            k_block, k_block,
-            pl.BlockSpec((None, bk), lambda i, h, z: (z, i)),
-        ],
-        out_specs=[k_block, k_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={len(args) - 1: 2} if fused else {},
         compiler_params=_params(cfg.dkv_num_warps, cfg.dkv_num_stages),
         interpret=cfg.interpret,
         name="cca_bwd_dkv",
-    )(qg, dog, lseg, deltag, raw_lo, k, v, last_row)
+    )(*args)
+    if fused:
+        return out[0], out[1], out[2].reshape(q.shape)
+    return out
 
 
 # ---- backward: dck/dcv over core blocks ------------------------------------------------------
 
 def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, cv_ref,
-                  first_row_ref, end_row_ref, dck_ref, dcv_ref, *, block_q: int,
-                  block_c: int, scale: float):
+                  first_row_ref, end_row_ref, *refs, block_q: int, block_c: int,
+                  scale: float, fused_dq: bool):
+    if fused_dq:
+        _, dck_ref, dcv_ref, dq_ref = refs   # dq: input aliased to the last output
+    else:
+        dck_ref, dcv_ref = refs
     c0 = pl.program_id(0) * block_c
     slots = c0 + jnp.arange(block_c, dtype=jnp.int32)
     kb, vb = ck_ref[...], cv_ref[...]
@@ -374,7 +407,11 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
             chi = chi_ref[pl.ds(r0, block_q)]
             vis = (slots[:, None] >= clo[None, :]) & (slots[:, None] < chi[None, :])
             s_t = jnp.where(vis, s_t, _MASKED)
-        return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv)
+        dq_add = None
+        if fused_dq:
+            def dq_add(tile):
+                plgpu.atomic_add(dq_ref, (pl.ds(r0, block_q), slice(None)), tile * scale)
+        return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv, dq_add)
 
     dk, dv = _split_loops(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
                                          jnp.zeros(vb.shape, jnp.float32)))
@@ -383,29 +420,40 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
 
 
 def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
-           cfg: KernelConfig):
+           cfg: KernelConfig, dq_acc=None):
     b, lp, hq, d = q.shape
     mp = ck.shape[1]
     bc, bq = cfg.dc_block_k, cfg.dc_block_q
+    fused = dq_acc is not None
     kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
-                               scale=1.0 / math.sqrt(d))
+                               scale=1.0 / math.sqrt(d), fused_dq=fused)
     whole_q = pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, h, 0))
     whole_rows = pl.BlockSpec((None, None, lp), lambda i, h, z: (z, h, 0))
     bounds_row = pl.BlockSpec((None, lp), lambda i, h, z: (z, 0))
     c_block = pl.BlockSpec((None, bc, None, d), lambda i, h, z: (z, i, h, 0))
     slot_block = pl.BlockSpec((None, bc), lambda i, h, z: (z, i))
+    in_specs = [whole_q, whole_q, whole_rows, whole_rows, bounds_row, bounds_row,
+                c_block, c_block, slot_block, slot_block]
+    out_specs = [c_block, c_block]
+    out_shape = [jax.ShapeDtypeStruct(ck.shape, ck.dtype),
+                 jax.ShapeDtypeStruct(cv.shape, cv.dtype)]
+    args = [q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row]
+    if fused:
+        in_specs.append(whole_q)
+        out_specs.append(whole_q)
+        out_shape.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        args.append(dq_acc)
     return pl.pallas_call(
         kernel,
         grid=(mp // bc, hq, b),
-        in_specs=[whole_q, whole_q, whole_rows, whole_rows, bounds_row, bounds_row,
-                  c_block, c_block, slot_block, slot_block],
-        out_specs=[c_block, c_block],
-        out_shape=[jax.ShapeDtypeStruct(ck.shape, ck.dtype),
-                   jax.ShapeDtypeStruct(cv.shape, cv.dtype)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={len(args) - 1: 2} if fused else {},
         compiler_params=_params(cfg.dc_num_warps, cfg.dc_num_stages),
         interpret=cfg.interpret,
         name="cca_bwd_dcore",
-    )(q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row)
+    )(*args)
 
 
 # ---- padding and the custom VJP ----------------------------------------------------------------
@@ -460,9 +508,16 @@ def _cca_bwd(cfg, residuals, dout):
     dop = _pad_rows(dout.astype(q.dtype), lp)
     last_row = blocks.raw_key_rows(rlo)
     first_row, end_row = blocks.core_slot_rows(clo, chi, mp)
-    dq = _dq(qp, kp, vp, ckp, cvp, dop, lse, delta, rlo, clo, chi, cfg)
-    dk, dv = _dkv(qp, kp, vp, dop, lse, delta, rlo, last_row, cfg)
-    dck, dcv = _dcore(qp, ckp, cvp, dop, lse, delta, clo, chi, first_row, end_row, cfg)
+    if cfg.fused_dq:
+        dq = jnp.zeros(qp.shape, jnp.float32)
+        dk, dv, dq = _dkv(qp, kp, vp, dop, lse, delta, rlo, last_row, cfg, dq)
+        dck, dcv, dq = _dcore(qp, ckp, cvp, dop, lse, delta, clo, chi, first_row, end_row,
+                              cfg, dq)
+        dq = dq.astype(q.dtype)
+    else:
+        dq = _dq(qp, kp, vp, ckp, cvp, dop, lse, delta, rlo, clo, chi, cfg)
+        dk, dv = _dkv(qp, kp, vp, dop, lse, delta, rlo, last_row, cfg)
+        dck, dcv = _dcore(qp, ckp, cvp, dop, lse, delta, clo, chi, first_row, end_row, cfg)
     return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m],
             None, None, None)
 
