@@ -18,6 +18,8 @@ Kernels (grid dims: block, head, batch; at most 3 as the Triton lowering require
             on `blocks.raw_key_rows`); GQA gradients are summed in registers, no partials.
   dcore     per (core block, query head): loops over the query blocks that see the slots
             (`blocks.core_slot_rows`).
+  fused_dq  (experimental, KernelConfig.fused_dq) no dq kernel: dkv and dcore add each
+            tile's dq share to a float32 buffer with atomics (5 matmuls per score, not 7).
 The block-visit arithmetic all comes from `cca_jax.blocks`; per-block bounds are the first
 and last rows' values, read as min/max of the block's bound vector (bounds are monotone).
 """
