@@ -36,6 +36,7 @@ from pallas_kernels.gpu import kernels as K  # noqa: E402
 
 T0 = time.time()
 RECORDS: list[dict] = []
+FUSED_OK: list[bool] = []   # the experimental fused_dq backward matched xla on every check
 
 
 def log(rec: dict) -> None:
@@ -117,7 +118,14 @@ def check(shapes, interpret, budget):
             g2 = grads_fn(xla, ct)(q, k, v)
             for name, a, bb in zip("qkv", g1, g2):
                 rec[f"d{name}_rel"], rec[f"d{name}_max"] = rel(a, bb)
-            del g1, g2
+            del g1
+            fused = lambda q, k, v: cca_attention_pallas_gpu(  # noqa: E731
+                q, k, v, interpret=interpret, fused_dq=True, **kw)
+            g3 = grads_fn(fused, ct)(q, k, v)
+            for name, a, bb in zip("qkv", g3, g2):
+                rec[f"fused_d{name}_rel"], _ = rel(a, bb)
+            FUSED_OK.append(max(rec[f"fused_d{n}_rel"] for n in "qkv") < 2e-2)
+            del g2, g3
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         log(rec)
@@ -272,7 +280,9 @@ def main(argv=None):
     for fused in (False, True):   # the experimental atomic-dq backward against the default
         cfg = {**best, "fused_dq": fused}
         times[fused] = end_to_end(length, hq, hkv, d, g, s, interpret, cfg, budget * 0.85)
-    if times[True] is not None and (times[False] is None or times[True] < times[False]):
+    fused_ok = bool(FUSED_OK) and all(FUSED_OK)
+    if fused_ok and times[True] is not None and (
+            times[False] is None or times[True] < times[False]):
         best["fused_dq"] = True
         with open(os.path.join(args.out, "pallas_gpu_best.json"), "w") as f:
             json.dump(best, f, indent=1)
