@@ -204,11 +204,13 @@ def test_kernel_config_defaults():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-def test_gpu_matches_xla():
+@pytest.mark.parametrize("fused_dq", [False, True])
+def test_gpu_matches_xla(fused_dq):
     q, k, v, ct = _inputs(5, 1, 4096, 4, 2, 128, jnp.bfloat16)
     kw = dict(group_size=16, window_size=1024)
     out, grads = _value_and_grads(
-        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, **kw), q, k, v, ct)
+        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, fused_dq=fused_dq, **kw),
+        q, k, v, ct)
     ref, ref_grads = _value_and_grads(lambda q, k, v: cca_attention_xla(q, k, v, **kw),
                                       q, k, v, ct)
     assert _rel(out, ref) < 1e-2
