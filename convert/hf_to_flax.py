@@ -11,9 +11,13 @@ each parameter of our tree is a `cca_jax.pretrained.LazyArray`; orbax's save bui
 at a time. Building a stacked parameter (e.g. `layers.mlp.gate_proj.kernel [N, H, I]`)
 allocates the `[N, ...]` array in the target dtype and fills it layer by layer, reading ONE
 HF tensor at a time (`seek` + `readinto`, no mmap), transposing and casting it into its slot;
-the array is then written by orbax and freed before the next parameter is built. Peak RSS is
-therefore about: the Python/JAX baseline + the largest stacked parameter + one HF tensor +
-tensorstore's write buffers. Measured numbers: benchmarks/results/convert_*.md.
+the array is then written by orbax (plain zarr, one chunk per layer, no OCDBT: OCDBT buffers
+a whole array's encoded chunks) and freed before the next parameter is built. Peak RSS is
+therefore about 0.27 GB (Python/JAX) + the largest stacked parameter + ~0.3 GB (one HF tensor,
+its cast copy, tensorstore chunk buffers). Measured (benchmarks/results/convert_llama.md):
+1.1B bf16 in 28 s / 0.98 GB peak RSS, LLaMA-2-7B shapes in 105 s / 3.44 GB on 2 cores.
+Alternative considered: writing each layer straight into its slice of the stacked array
+(peak = one layer); not needed below ~70B, where one stacked MLP exceeds host RAM.
 
 Checks before anything is written: the config is a supported family; every expected tensor
 exists with the expected shape; no unexpected tensors remain (they would mean an unsupported
