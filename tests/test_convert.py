@@ -161,6 +161,24 @@ def test_train_state_checkpoint_exports(tmp_path):
     assert all(np.array_equal(a[n], b[n]) for n in a) and sorted(a) == sorted(b)
 
 
+def test_plain_orbax_train_state_with_nnx_value_leaves(tmp_path):
+    """A train state saved by plain orbax (OCDBT) with nnx `{"value": x}` leaves restores."""
+    import orbax.checkpoint as ocp
+    fx.make_tiny_hf("llama2", tmp_path / "hf")
+    convert_hf_to_flax(tmp_path / "hf", tmp_path / "ours", dtype="float32", verbose=False)
+    params = restore_params(tmp_path / "ours")
+    boxed = jax.tree.map(lambda x: {"value": x}, params)
+    ocp.PyTreeCheckpointer().save(tmp_path / "run" / "3" / "default",
+                                  {"model": boxed, "opt": {"count": np.int32(3)}})
+    shutil.copy(tmp_path / "ours" / "config.json", tmp_path / "run" / "config.json")
+    again = restore_params(tmp_path / "run")
+    assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+    ids = np.arange(32)[None] % 100
+    a = _ours(tmp_path / "ours", ids, attention="full")
+    b = _ours(tmp_path / "run", ids, attention="full")
+    assert np.array_equal(a, b)
+
+
 def test_lazy_save_builds_one_leaf_at_a_time(tmp_path):
     alive: list[weakref.ref] = []
 
