@@ -197,7 +197,7 @@ def test_large_batches_run_in_chunks(monkeypatch):
 def test_kernel_config_defaults():
     bf16 = kernel_config(16, 1024, 128, dtype=jnp.bfloat16)
     f32 = kernel_config(16, 1024, 128, dtype=jnp.float32)
-    assert (bf16.block_q, bf16.block_k, bf16.num_warps) == (128, 64, 8)
+    assert (bf16.block_q, bf16.block_k, bf16.num_warps) == (128, 128, 8)
     assert f32.block_q * f32.block_k < bf16.block_q * bf16.block_k
     assert kernel_config(16, 1024, 128, dtype=jnp.float32, block_q=128).block_q == 128
 

@@ -47,19 +47,18 @@ class KernelConfig(NamedTuple):
     """Static tiling of all four kernels (hashable: a custom_vjp non-diff argument)."""
     group_size: int
     window_size: int
-    # Defaults: no register spills and <= 227 KiB shared memory for D=128 bf16 on sm_90 with
-    # wgmma (checked offline with Triton's ptxas, see benchmarks/results/attention_h200.md);
-    # not yet tuned by timing on the H200.
+    # Defaults: the fastest tiling of the H200 sweep at L = 131072, Hq = Hkv = 32, D = 128,
+    # bf16 (benchmarks/results/pallas_gpu_h200.md); each fits sm_90's shared memory.
     block_q: int = 128          # forward
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
     dq_block_q: int = 128       # dq kernel
     dq_block_k: int = 64
     dq_num_warps: int = 8
-    dq_num_stages: int = 2
+    dq_num_stages: int = 3
     dkv_block_k: int = 128      # dk/dv kernel (raw key blocks)
-    dkv_block_q: int = 32
+    dkv_block_q: int = 64
     dkv_num_warps: int = 8
     dkv_num_stages: int = 3
     dc_block_k: int = 128       # dck/dcv kernel (core blocks)
