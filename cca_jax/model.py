@@ -29,7 +29,7 @@ def _init(std: float = 0.02):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in float32 (HF LlamaRMSNorm)."""
+    """x / rms(x) * weight: normalized in float32, cast back, then scaled (HF's order)."""
 
     def __init__(self, size: int, eps: float, param_dtype):
         self.weight = nnx.Param(jnp.ones((size,), param_dtype))
@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (self.weight[...] * xf.astype(x.dtype)).astype(x.dtype)
 
 
 def _linear(cfg: LlamaConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
