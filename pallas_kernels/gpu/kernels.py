@@ -108,12 +108,46 @@ def _kv_head_map(groups: int):
     return lambda h: lax.div(h, groups)
 
 
+def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi, *, block_k: int,
+                         score_scale: float, step, carry):
+    """Fold `step(key_block, value_block, scores, carry)` over the blocks rows `[r0, r0+bq)` see.
+
+    Raw-window blocks first (every row sees its own key, so a running max is finite before
+    any fully masked block), then core blocks; only edge blocks get a mask (`_split_loops`).
+    Scores are `q @ k.T * score_scale`, masked entries `_MASKED`.
+    """
+    rows = r0 + jnp.arange(q.shape[0], dtype=jnp.int32)
+
+    def loop_body(keys_ref, values_ref, visible):
+        def body(j, carry, masked):
+            k0 = j * block_k
+            kb = keys_ref[pl.ds(k0, block_k), :]
+            vb = values_ref[pl.ds(k0, block_k), :]
+            s = _dot(q, kb, tb=True) * score_scale
+            if masked:
+                s = jnp.where(visible(k0 + jnp.arange(block_k, dtype=jnp.int32)), s, _MASKED)
+            return step(kb, vb, s, carry)
+        return body
+
+    def raw_visible(keys):
+        return (keys[None, :] >= rlo[:, None]) & (keys[None, :] <= rows[:, None])
+
+    def core_visible(slots):
+        return (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
+
+    r1 = r0 + q.shape[0] - 1
+    carry = _split_loops(blocks.raw_blocks_for_rows(r0, r1, jnp.min(rlo), jnp.max(rlo), block_k),
+                         loop_body(k_ref, v_ref, raw_visible), carry)
+    return _split_loops(blocks.core_blocks_for_rows(jnp.min(clo), jnp.max(clo), jnp.min(chi),
+                                                    jnp.max(chi), block_k),
+                        loop_body(ck_ref, cv_ref, core_visible), carry)
+
+
 # ---- forward -----------------------------------------------------------------------------
 
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
                 o_ref, lse_ref, *, block_q: int, block_k: int, scale: float):
     r0 = pl.program_id(0) * block_q
-    rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
     rlo, clo, chi = rlo_ref[...], clo_ref[...], chi_ref[...]
     q = q_ref[...]
     c = scale * _LOG2E
@@ -128,36 +162,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
         acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
-    def raw_body(j, carry, masked):
-        k0 = j * block_k
-        kb = k_ref[pl.ds(k0, block_k), :]
-        vb = v_ref[pl.ds(k0, block_k), :]
-        s = _dot(q, kb, tb=True) * c
-        if masked:
-            keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            vis = (keys[None, :] >= rlo[:, None]) & (keys[None, :] <= rows[:, None])
-            s = jnp.where(vis, s, _MASKED)
-        return step(kb, vb, s, carry)
-
-    def core_body(j, carry, masked):
-        c0 = j * block_k
-        kb = ck_ref[pl.ds(c0, block_k), :]
-        vb = cv_ref[pl.ds(c0, block_k), :]
-        s = _dot(q, kb, tb=True) * c
-        if masked:
-            slots = c0 + jnp.arange(block_k, dtype=jnp.int32)
-            vis = (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
-            s = jnp.where(vis, s, _MASKED)
-        return step(kb, vb, s, carry)
-
     carry = (jnp.zeros((block_q, d), jnp.float32),
              jnp.full((block_q,), _MASKED, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    r1 = r0 + block_q - 1
-    carry = _split_loops(blocks.raw_blocks_for_rows(r0, r1, jnp.min(rlo), jnp.max(rlo),
-                                                    block_k), raw_body, carry)
-    carry = _split_loops(blocks.core_blocks_for_rows(jnp.min(clo), jnp.max(clo), jnp.min(chi),
-                                                     jnp.max(chi), block_k), core_body, carry)
+    carry = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi,
+                                 block_k=block_k, score_scale=c, step=step, carry=carry)
     acc, m_i, l_i = carry
     l_i = jnp.maximum(l_i, 1e-30)   # every row sees its own key: l >= 1; guard anyway
     o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
@@ -200,7 +209,6 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
 def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
                rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float):
     r0 = pl.program_id(0) * block_q
-    rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
     rlo, clo, chi = rlo_ref[...], clo_ref[...], chi_ref[...]
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -212,34 +220,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(kb.dtype), kb)
 
-    def raw_body(j, dq, masked):
-        k0 = j * block_k
-        kb = k_ref[pl.ds(k0, block_k), :]
-        vb = v_ref[pl.ds(k0, block_k), :]
-        s = _dot(q, kb, tb=True) * c
-        if masked:
-            keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            vis = (keys[None, :] >= rlo[:, None]) & (keys[None, :] <= rows[:, None])
-            s = jnp.where(vis, s, _MASKED)
-        return step(kb, vb, s, dq)
-
-    def core_body(j, dq, masked):
-        c0 = j * block_k
-        kb = ck_ref[pl.ds(c0, block_k), :]
-        vb = cv_ref[pl.ds(c0, block_k), :]
-        s = _dot(q, kb, tb=True) * c
-        if masked:
-            slots = c0 + jnp.arange(block_k, dtype=jnp.int32)
-            vis = (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
-            s = jnp.where(vis, s, _MASKED)
-        return step(kb, vb, s, dq)
-
-    dq = jnp.zeros(q.shape, jnp.float32)
-    r1 = r0 + block_q - 1
-    dq = _split_loops(blocks.raw_blocks_for_rows(r0, r1, jnp.min(rlo), jnp.max(rlo), block_k),
-                      raw_body, dq)
-    dq = _split_loops(blocks.core_blocks_for_rows(jnp.min(clo), jnp.max(clo), jnp.min(chi),
-                                                  jnp.max(chi), block_k), core_body, dq)
+    dq = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi,
+                              block_k=block_k, score_scale=c, step=step,
+                              carry=jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
