@@ -234,3 +234,9 @@ def test_mixed_dtypes_rejected():
     q, k, v = make_inputs((1, 40, 4, 2, 8, 4, 8))
     with pytest.raises(ValueError, match="dtype"):
         cca_attention(q, jnp.asarray(k, jnp.bfloat16), v, group_size=4, window_size=8)
+
+
+def test_kernels_not_available_say_what_to_use():
+    q, k, v = make_inputs((1, 40, 4, 2, 8, 4, 8))
+    with pytest.raises(NotImplementedError, match="implementation='xla'"):
+        cca_attention(q, k, v, group_size=4, window_size=8, implementation="pallas_tpu")

@@ -33,6 +33,11 @@ def _not_yet(name: str, issue_hint: str) -> Callable:
 
 
 def _pallas_gpu(q, k, v, **kwargs):
+    backend = jax.default_backend()
+    if backend not in ("gpu", "cuda", "cpu"):
+        raise ValueError(
+            f"implementation='pallas_gpu' runs on NVIDIA GPUs (or in interpret mode on CPU), "
+            f"not on the {backend!r} backend; use implementation='auto' or 'xla'.")
     from pallas_kernels.gpu import cca_attention_pallas_gpu  # lazy: kernels import this package
     return cca_attention_pallas_gpu(q, k, v, **kwargs)
 
