@@ -161,6 +161,10 @@ class LlamaConfig:
     qkv_bias: bool | None = None        # bias on q, k, v only (Qwen2); None: attention_bias
     mlp_bias: bool = False
     model_type: str = "llama"           # HF family the weights came from (export target)
+    # Special token ids, carried through conversion (eos may be several ids: a tuple).
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
     # How to run it.
     attention: str = "cca"
     cca: CCAConfig = dataclasses.field(default_factory=CCAConfig)
@@ -250,6 +254,9 @@ class LlamaConfig:
                      "mlp_bias"):
             if hf.get(name) is not None:
                 values[name] = hf[name]
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            ids = hf.get(name)
+            values[name] = tuple(ids) if isinstance(ids, list) else ids
         # Older configs: rope_theta + rope_scaling. transformers >= 5: rope_parameters.
         rope = dict(hf.get("rope_parameters") or {})
         rope.update(hf.get("rope_scaling") or {})
@@ -318,6 +325,10 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "mlp_bias": self.mlp_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+                             else self.eos_token_id),
+            "pad_token_id": self.pad_token_id,
             "dtype": self.param_dtype,
             CCA_CONFIG_KEY: self.cca.to_dict(),
         }

@@ -98,3 +98,12 @@ def test_missing_and_broken_config_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         LlamaConfig.from_pretrained_dir(tmp_path)
+
+
+def test_special_token_ids_survive_a_round_trip():
+    hf = {**LLAMA31, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+    c = LlamaConfig.from_hf_dict(hf)
+    assert c.eos_token_id == (128001, 128008, 128009) and hash(c)
+    out = c.to_hf_dict()
+    assert (out["bos_token_id"], out["eos_token_id"]) == (128000, [128001, 128008, 128009])
+    assert LlamaConfig.from_hf_dict(out) == c
