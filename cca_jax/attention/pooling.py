@@ -12,6 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from cca_jax.blocks import num_pooled_groups, row_ranges
+
 
 def group_members(x: jax.Array, group_start: jax.Array | None, num_groups: int,
                   group_size: int) -> jax.Array:
@@ -82,3 +84,20 @@ def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str 
     ck, cv = POOLING_FNS[pooling](q_last, k_members, v_members)
     return (ck.reshape(b, num_groups, hq, d).astype(k.dtype),
             cv.reshape(b, num_groups, hq, d).astype(v.dtype))
+
+
+def core_tokens_and_bounds(q, k, v, *, group_size: int, window_size: int, pooling: str,
+                           segment_ids=None):
+    """What every blocked implementation starts from: pooled core tokens and row bounds.
+
+    Returns `ck, cv [B, m, Hq, D]` and int32 `raw_lo, core_lo, core_hi [B, L]`
+    (`blocks.row_ranges`, broadcast over the batch).
+    """
+    b, length = q.shape[:2]
+    m = num_pooled_groups(length, group_size, window_size)
+    ranges = row_ranges(length, group_size, window_size, segment_ids)
+    ck, cv = pool_core_tokens(q, k, v, group_size=group_size, num_groups=m, pooling=pooling,
+                              group_start=ranges.group_start)
+    bounds = tuple(jnp.broadcast_to(x, (b, length)).astype(jnp.int32)
+                   for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
+    return (ck, cv, *bounds)

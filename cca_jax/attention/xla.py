@@ -22,8 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cca_jax.attention.pooling import pool_core_tokens
-from cca_jax.blocks import core_blocks_for_rows, num_pooled_groups, row_ranges
+from cca_jax.attention.pooling import core_tokens_and_bounds
+from cca_jax.blocks import core_blocks_for_rows
 
 _MASKED = -1e30  # finite: a fully masked block never turns the running max into -inf
 
@@ -54,15 +54,11 @@ def default_blocking(length: int, num_core: int, head_dim: int, group_size: int,
 def cca_attention_xla(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
                       segment_ids=None, block_q: int | None = None, block_c: int | None = None):
     """CCA attention, blocked; same signature and result as `cca_attention`."""
-    b, length, _, d = q.shape
-    m = num_pooled_groups(length, group_size, window_size)
-    ranges = row_ranges(length, group_size, window_size, segment_ids)
-    ck, cv = pool_core_tokens(q, k, v, group_size=group_size, num_groups=m, pooling=pooling,
-                              group_start=ranges.group_start)
-    shape = (b, length)
-    bounds = tuple(jnp.broadcast_to(x, shape).astype(jnp.int32)
-                   for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
-    blocking = default_blocking(length, m, d, group_size, window_size, block_q, block_c)
+    ck, cv, *bounds = core_tokens_and_bounds(q, k, v, group_size=group_size,
+                                             window_size=window_size, pooling=pooling,
+                                             segment_ids=segment_ids)
+    blocking = default_blocking(q.shape[1], ck.shape[1], q.shape[-1], group_size, window_size,
+                                block_q, block_c)
     return blocked_attention(q, k, v, ck, cv, *bounds, blocking)
 
 

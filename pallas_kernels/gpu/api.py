@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cca_jax.attention.pooling import pool_core_tokens
-from cca_jax.blocks import num_pooled_groups, row_ranges
+from cca_jax.attention.pooling import core_tokens_and_bounds
 from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention
 
 _POW2 = (16, 32, 64, 128, 256)
@@ -70,12 +69,9 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
                         block_k=block_k,
                         num_warps=num_warps, num_stages=num_stages,
                         interpret=bool(interpret), **backward)
-    m = num_pooled_groups(length, group_size, window_size)
-    ranges = row_ranges(length, group_size, window_size, segment_ids)
-    ck, cv = pool_core_tokens(q, k, v, group_size=group_size, num_groups=m, pooling=pooling,
-                              group_start=ranges.group_start)
-    bounds = tuple(jnp.broadcast_to(x, (b, length)).astype(jnp.int32)
-                   for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
+    ck, cv, *bounds = core_tokens_and_bounds(q, k, v, group_size=group_size,
+                                             window_size=window_size, pooling=pooling,
+                                             segment_ids=segment_ids)
     # The Triton lowering computes element offsets in int32: keep every array a kernel sees
     # (padded rows included) under 2**31 elements by running batch rows in chunks.
     row_elems = (length + cfg.row_multiple) * q.shape[2] * d
