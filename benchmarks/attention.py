@@ -22,18 +22,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cca_jax.attention import cca_attention  # noqa: E402
-from cca_jax.blocks import n_core  # noqa: E402
-
-
-def visible_scores(length: int, g: int, s: int) -> int:
-    """Scores per head CCA really needs: sum over rows of core + raw-window sizes."""
-    t = np.arange(length, dtype=np.int64)
-    nc = n_core(t, g, s)
-    return int(np.sum(nc + (t - g * nc + 1)))
+from cca_jax.blocks import visible_score_count  # noqa: E402
 
 
 def _cca(impl):
@@ -125,7 +117,7 @@ def main(argv=None):
             k = jax.random.normal(key[1], shape_kv, jnp.bfloat16)
             v = jax.random.normal(key[2], shape_kv, jnp.bfloat16)
             ct = jax.random.normal(key[3], shape_q, jnp.float32)
-            cca_scores = visible_scores(length, args.g, args.s)
+            cca_scores = visible_score_count(length, args.g, args.s)
             reference = reference_grads = None
             for name in impls:
                 scores = length * (length + 1) // 2 if name.startswith("full") else cca_scores

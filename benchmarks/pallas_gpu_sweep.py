@@ -58,12 +58,6 @@ def median_ms(fn, args, max_s: float = 0.5, max_iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def visible_scores(length: int, g: int, s: int) -> int:
-    t = np.arange(length, dtype=np.int64)
-    nc = blocks.n_core(t, g, s)
-    return int(np.sum(nc + (t - g * nc + 1)))
-
-
 def raw_scores(length: int, g: int, s: int) -> int:
     t = np.arange(length, dtype=np.int64)
     return int(np.sum(t - g * blocks.n_core(t, g, s) + 1))
@@ -144,7 +138,7 @@ def kernel_inputs(length, hq, hkv, d, g, s, cfg):
 
 
 def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
-    scores = visible_scores(length, g, s)
+    scores = blocks.visible_score_count(length, g, s)
     raw = raw_scores(length, g, s)
     flop = 4 * d * hq
     best_fwd, best = None, {}
@@ -230,7 +224,7 @@ def end_to_end(length, hq, hkv, d, g, s, interpret, best, budget):
     try:
         rec["fwd_ms"] = median_ms(jax.jit(fn), (q, k, v))
         rec["fwd_bwd_ms"] = median_ms(grads_fn(fn, ct), (q, k, v))
-        flop = 4 * d * hq * visible_scores(length, g, s)
+        flop = 4 * d * hq * blocks.visible_score_count(length, g, s)
         rec["fwd_tflops"] = flop / rec["fwd_ms"] / 1e9
         rec["fwd_bwd_tflops"] = 3.5 * flop / rec["fwd_bwd_ms"] / 1e9
     except Exception as e:  # noqa: BLE001

@@ -42,6 +42,13 @@ def num_pooled_groups(length: int, group_size: int, window_size: int) -> int:
     return max(0, (length - window_size) // group_size)
 
 
+def visible_score_count(length: int, group_size: int, window_size: int) -> int:
+    """Query-key scores per head CCA needs for one unpacked sequence (core + raw window)."""
+    t = np.arange(length, dtype=np.int64)
+    nc = n_core(t, group_size, window_size)
+    return int(np.sum(nc + (t - group_size * nc + 1)))
+
+
 def _elementwise(python_fn, numpy_fn, jax_fn):
     """One binary op on Python ints (stays an int), numpy arrays or jax values alike."""
     def op(a, b):

@@ -174,3 +174,9 @@ def test_row_blocks_for_interval_traced():
     for args in [(0, 63, 1100, 1163), (4096, 4159, 131071, 131071), (5, 9, 4, 4)]:
         assert tuple(int(x) for x in fn(*args)) == tuple(
             blocks.row_blocks_for_interval(*args, 64))
+
+
+@pytest.mark.parametrize("g,s,length", [(1, 1, 30), (4, 6, 41), (3, 7, 5), (16, 32, 200)])
+def test_visible_score_count_matches_dense_masks(g, s, length):
+    raw, core = blocks.dense_visibility(length, g, s)
+    assert blocks.visible_score_count(length, g, s) == int(raw.sum() + core.sum())
