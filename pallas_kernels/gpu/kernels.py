@@ -317,6 +317,16 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _add_dq_accumulator(in_specs, out_specs, out_shape, args, spec, dq_acc):
+    """Append the fused backward's float32 dq accumulator as an input aliased to an extra
+    output (the kernels' third); returns the `input_output_aliases` for `pallas_call`."""
+    in_specs.append(spec)
+    out_specs.append(spec)
+    out_shape.append(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32))
+    args.append(dq_acc)
+    return {len(args) - 1: 2}
+
+
 def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig, dq_acc=None):
     b, lp, hq, d = q.shape
     hkv = k.shape[2]
@@ -340,18 +350,15 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig, dq_acc=No
     out_specs = [k_block, k_block]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     args = [qg, dog, lseg, deltag, raw_lo, k, v, last_row]
-    if fused:
-        in_specs.append(whole_q)
-        out_specs.append(whole_q)
-        out_shape.append(jax.ShapeDtypeStruct(qg.shape, jnp.float32))
-        args.append(dq_acc.reshape(qg.shape))
+    aliases = _add_dq_accumulator(in_specs, out_specs, out_shape, args, whole_q,
+                                  dq_acc.reshape(qg.shape)) if fused else {}
     out = pl.pallas_call(
         kernel,
         grid=(lp // bk, hkv, b),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={len(args) - 1: 2} if fused else {},
+        input_output_aliases=aliases,
         compiler_params=_params(cfg.dkv_num_warps, cfg.dkv_num_stages),
         interpret=cfg.interpret,
         name="cca_bwd_dkv",
@@ -422,18 +429,15 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
     out_shape = [jax.ShapeDtypeStruct(ck.shape, ck.dtype),
                  jax.ShapeDtypeStruct(cv.shape, cv.dtype)]
     args = [q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row]
-    if fused:
-        in_specs.append(whole_q)
-        out_specs.append(whole_q)
-        out_shape.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        args.append(dq_acc)
+    aliases = _add_dq_accumulator(in_specs, out_specs, out_shape, args, whole_q,
+                                  dq_acc) if fused else {}
     return pl.pallas_call(
         kernel,
         grid=(mp // bc, hq, b),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={len(args) - 1: 2} if fused else {},
+        input_output_aliases=aliases,
         compiler_params=_params(cfg.dc_num_warps, cfg.dc_num_stages),
         interpret=cfg.interpret,
         name="cca_bwd_dcore",
