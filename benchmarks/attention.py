@@ -80,9 +80,11 @@ def bench_one(name, q, k, v, g, s, ct, iters):
     rec = {}
     start = time.perf_counter()
     fwd_c = fwd.lower(q, k, v).compile()
+    rec["fwd_compile_s"] = time.perf_counter() - start
     bwd_c = fwd_bwd.lower(q, k, v).compile()
     rec["compile_s"] = time.perf_counter() - start
-    print(f"  {name}: compiled in {rec['compile_s']:.1f} s", flush=True)
+    print(f"  {name}: compiled in {rec['compile_s']:.1f} s (forward {rec['fwd_compile_s']:.1f})",
+          flush=True)
     rec["fwd_mem_gib"] = (_memory_bytes(fwd_c) or 0) / 2**30
     rec["fwd_bwd_mem_gib"] = (_memory_bytes(bwd_c) or 0) / 2**30
     rec["fwd_ms"] = _median_ms(fwd_c, (q, k, v), 2, iters)
@@ -157,13 +159,15 @@ def main(argv=None):
 def write_results(records, args, argv, quiet=False):
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/attention.py " + " ".join(argv or sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump([{**r, **meta} for r in records], f, indent=1)
     lines = [f"# Attention benchmark ({meta['device']}, jax {meta['jax']}, {meta['date']})", "",
-             f"Command: `{meta['command']}`", "",
+             f"Command: `{meta['command']}`" + (f" with `XLA_FLAGS={meta['xla_flags']}`"
+                                                if meta["xla_flags"] else ""), "",
              "B=1, bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd).", "",
              "| impl | L | Hq | Hkv | D | g | s | fwd ms | fwd+bwd ms | fwd TFLOP/s "
              "| fwd+bwd TFLOP/s | fwd mem GiB | fwd+bwd mem GiB | max err vs xla "

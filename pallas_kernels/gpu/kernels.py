@@ -38,7 +38,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from cca_jax import blocks
 
-_MASKED = -1e30        # finite: a fully masked block never turns the running max into -inf
+# Masked scores are -inf, so exp2(score * scale - shift) is exactly 0 for them whatever the
+# (finite) shift; the running max starts finite, so a fully masked block leaves it finite and
+# no -inf - -inf can occur. (A finite "large negative" score would not do with the FMA: its
+# rounding residual, s * c - round(s * c), is about 1e22 and exp2 of it overflows.)
+_MASKED = -jnp.inf
+_MAX_INIT = -1e30
 _LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -109,12 +114,13 @@ def _kv_head_map(groups: int):
 
 
 def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi, *, block_k: int,
-                         score_scale: float, step, carry):
+                         step, carry):
     """Fold `step(key_block, value_block, scores, carry)` over the blocks rows `[r0, r0+bq)` see.
 
     Raw-window blocks first (every row sees its own key, so a running max is finite before
     any fully masked block), then core blocks; only edge blocks get a mask (`_split_loops`).
-    Scores are `q @ k.T * score_scale`, masked entries `_MASKED`.
+    Scores are `q @ k.T`, unscaled (callers fold the scale into one FMA with the shift they
+    subtract before `exp2`), masked entries `-inf`.
     """
     rows = r0 + jnp.arange(q.shape[0], dtype=jnp.int32)
 
@@ -123,7 +129,7 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi, *, 
             k0 = j * block_k
             kb = keys_ref[pl.ds(k0, block_k), :]
             vb = values_ref[pl.ds(k0, block_k), :]
-            s = _dot(q, kb, tb=True) * score_scale
+            s = _dot(q, kb, tb=True)
             if masked:
                 s = jnp.where(visible(k0 + jnp.arange(block_k, dtype=jnp.int32)), s, _MASKED)
             return step(kb, vb, s, carry)
@@ -153,20 +159,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
     c = scale * _LOG2E
     d = q.shape[-1]
 
-    def step(kb, vb, s, carry):
+    def step(kb, vb, s, carry):      # running max m_i in scaled (log2) units
         acc, m_i, l_i = carry
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * c)     # c > 0: max(s) * c = max(s * c)
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
+        p = jnp.exp2(s * c - m_new[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
     carry = (jnp.zeros((block_q, d), jnp.float32),
-             jnp.full((block_q,), _MASKED, jnp.float32),
+             jnp.full((block_q,), _MAX_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     carry = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi,
-                                 block_k=block_k, score_scale=c, step=step, carry=carry)
+                                 block_k=block_k, step=step, carry=carry)
     acc, m_i, l_i = carry
     l_i = jnp.maximum(l_i, 1e-30)   # every row sees its own key: l >= 1; guard anyway
     o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
@@ -215,13 +221,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
     c = scale * _LOG2E
 
     def step(kb, vb, s, dq):
-        p = jnp.exp2(s - lse[:, None])
+        p = jnp.exp2(s * c - lse[:, None])
         dp = _dot(do, vb, tb=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(kb.dtype), kb)
 
     dq = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo, clo, chi,
-                              block_k=block_k, score_scale=c, step=step,
+                              block_k=block_k, step=step,
                               carry=jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
@@ -256,12 +262,13 @@ def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelCo
 
 # ---- backward: dk/dv over raw key blocks ----------------------------------------------------
 
-def _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv, dq_add=None):
-    """One (key block, query block) tile, transposed: s_t [bk, bq] in log2 units.
+def _key_grads(kb, vb, q, do, lse, delta, s_t, c, dk, dv, dq_add=None):
+    """One (key block, query block) tile, transposed: s_t [bk, bq] = k @ q.T (unscaled), c the
+    log2 softmax scale.
 
     dq_add(tile [bq, D] float32, unscaled) receives this tile's dq share when dq is fused.
     """
-    p_t = jnp.exp2(s_t - lse[None, :])
+    p_t = jnp.exp2(s_t * c - lse[None, :])
     dv = dv + _dot(p_t.astype(do.dtype), do)
     dp_t = _dot(vb, do, tb=True)
     ds_t = (p_t * (dp_t - delta[None, :])).astype(q.dtype)
@@ -293,7 +300,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
             do = do_ref[pl.ds(r0, block_q), pl.ds(gi * head_dim, head_dim)]
             lse = lse_ref[pl.ds(gi * padded_len + r0, block_q)]
             delta = delta_ref[pl.ds(gi * padded_len + r0, block_q)]
-            s_t = _dot(kb, q, tb=True) * c
+            s_t = _dot(kb, q, tb=True)
             if masked:
                 rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
                 rlo = rlo_ref[pl.ds(r0, block_q)]
@@ -305,7 +312,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
                     plgpu.atomic_add(dq_ref, (pl.ds(r0, block_q), pl.ds(gi * head_dim,
                                                                         head_dim)),
                                      tile * scale)
-            return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv, dq_add)
+            return _key_grads(kb, vb, q, do, lse, delta, s_t, c, dk, dv, dq_add)
         return _split_loops(bounds, body, carry)
 
     zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
@@ -392,7 +399,7 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
         do = do_ref[pl.ds(r0, block_q), :]
         lse = lse_ref[pl.ds(r0, block_q)]
         delta = delta_ref[pl.ds(r0, block_q)]
-        s_t = _dot(kb, q, tb=True) * c
+        s_t = _dot(kb, q, tb=True)
         if masked:
             clo = clo_ref[pl.ds(r0, block_q)]
             chi = chi_ref[pl.ds(r0, block_q)]
@@ -402,7 +409,7 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
         if fused_dq:
             def dq_add(tile):
                 plgpu.atomic_add(dq_ref, (pl.ds(r0, block_q), slice(None)), tile * scale)
-        return _key_grads(kb, vb, q, do, lse, delta, s_t, dk, dv, dq_add)
+        return _key_grads(kb, vb, q, do, lse, delta, s_t, c, dk, dv, dq_add)
 
     dk, dv = _split_loops(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
                                          jnp.zeros(vb.shape, jnp.float32)))
