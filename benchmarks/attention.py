@@ -1,13 +1,13 @@
 """Attention benchmark: CCA implementations against causal full attention, one run.
 
-    python benchmarks/attention.py [--impls cca_xla,full_cudnn] [--lengths 8192,32768,131072]
-                                   [--hkv 32,8] [--out benchmarks/results/attention_h200]
+    python benchmarks/attention.py [--impls cca_pallas_gpu,cca_xla,full_cudnn]
+        [--lengths 8192,32768,131072] [--hkv 32,8] [--out benchmarks/results/attention_h200]
 
 For every (L, Hkv) and implementation: forward and forward+backward milliseconds (median of
 timed runs after warm-up), useful TFLOP/s (only scores that are really visible count), the
-compiled program's memory (XLA memory analysis: temporaries + arguments + outputs) and the
-max abs error of the output against `cca_xla`. Writes `<out>.json` (a list of records) and
-`<out>.md` (a table with device, versions, date and this command).
+compiled program's memory (XLA memory analysis: temporaries + arguments + outputs), compile
+seconds, and the errors of output and gradients against `cca_xla`. Writes `<out>.json` (a
+list of records) and `<out>.md` (a table with device, versions, date and this command).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def bench_one(name, q, k, v, g, s, ct, iters):
     impl = IMPLS[name]
     fwd = jax.jit(lambda q, k, v: impl(q, k, v, g, s))
 
-    def loss(q, k, v):
+    def loss(q, k, v, ct):   # ct an argument: closed over it would be a 2 GiB HLO constant
         return jnp.sum(impl(q, k, v, g, s).astype(jnp.float32) * ct)
 
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -81,20 +81,20 @@ def bench_one(name, q, k, v, g, s, ct, iters):
     start = time.perf_counter()
     fwd_c = fwd.lower(q, k, v).compile()
     rec["fwd_compile_s"] = time.perf_counter() - start
-    bwd_c = fwd_bwd.lower(q, k, v).compile()
+    bwd_c = fwd_bwd.lower(q, k, v, ct).compile()
     rec["compile_s"] = time.perf_counter() - start
     print(f"  {name}: compiled in {rec['compile_s']:.1f} s (forward {rec['fwd_compile_s']:.1f})",
           flush=True)
     rec["fwd_mem_gib"] = (_memory_bytes(fwd_c) or 0) / 2**30
     rec["fwd_bwd_mem_gib"] = (_memory_bytes(bwd_c) or 0) / 2**30
     rec["fwd_ms"] = _median_ms(fwd_c, (q, k, v), 2, iters)
-    rec["fwd_bwd_ms"] = _median_ms(bwd_c, (q, k, v), 2, iters)
-    return rec, fwd_c(q, k, v), bwd_c(q, k, v)
+    rec["fwd_bwd_ms"] = _median_ms(bwd_c, (q, k, v, ct), 2, iters)
+    return rec, fwd_c(q, k, v), bwd_c(q, k, v, ct)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impls", default="cca_xla,full_cudnn")
+    ap.add_argument("--impls", default="cca_pallas_gpu,cca_xla,full_cudnn")
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--hkv", default="32,8")
     ap.add_argument("--hq", type=int, default=32)
@@ -120,12 +120,12 @@ def main(argv=None):
             v = jax.random.normal(key[2], shape_kv, jnp.bfloat16)
             ct = jax.random.normal(key[3], shape_q, jnp.float32)
             cca_scores = visible_score_count(length, args.g, args.s)
-            reference = reference_grads = None
+            results = {}
             for name in impls:
                 scores = length * (length + 1) // 2 if name.startswith("full") else cca_scores
                 flops = 4 * scores * args.d * args.hq
                 rec = {"impl": name, "L": length, "hq": args.hq, "hkv": hkv, "d": args.d,
-                       "g": args.g, "s": args.s, "b": 1, "dtype": "bfloat16"}
+                       "g": args.g, "s": args.s, "b": 1, "dtype": "bfloat16", "max_err": None}
                 try:
                     timing, out, grads = bench_one(name, q, k, v, args.g, args.s, ct,
                                                    args.iters)
@@ -138,22 +138,39 @@ def main(argv=None):
                 rec.update(timing)
                 rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
                 rec["fwd_bwd_tflops"] = 3.5 * flops / rec["fwd_bwd_ms"] / 1e9
-                if name == "cca_xla":
-                    reference, reference_grads = out, grads
-                if name.startswith("cca") and reference_grads is not None:
-                    # Largest |dx - dx_xla| over q, k, v, relative to max |dx_xla|.
-                    rec["max_grad_rel_err"] = max(
-                        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                              / jnp.max(jnp.abs(b.astype(jnp.float32))))
-                        for a, b in zip(grads, reference_grads))
-                del grads
-                rec["max_err"] = (None if name.startswith("full") or reference is None else
-                                  float(jnp.max(jnp.abs(out.astype(jnp.float32)
-                                                        - reference.astype(jnp.float32)))))
+                if name.startswith("cca"):
+                    results[name] = (rec, out, grads)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
                 write_results(records, args, argv, quiet=True)  # keep what is done so far
+            _add_errors(results)
+            write_results(records, args, argv, quiet=True)
     write_results(records, args, argv)
+
+
+def _rel_l2(a, b) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _add_errors(results) -> None:
+    """Errors of every CCA implementation against `cca_xla` (the reference), in place."""
+    if "cca_xla" not in results:
+        return
+    _, ref_out, ref_grads = results["cca_xla"]
+    for rec, out, grads in results.values():
+        rec["max_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32)
+                                               - ref_out.astype(jnp.float32))))
+        rec["out_rel_l2_err"] = _rel_l2(out, ref_out)
+        # Largest |dx - dx_xla| over q, k, v, relative to max |dx_xla|; and relative L2.
+        rec["max_grad_rel_err"] = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                  / jnp.max(jnp.abs(b.astype(jnp.float32))))
+            for a, b in zip(grads, ref_grads))
+        rec["grad_rel_l2_err"] = max(_rel_l2(a, b) for a, b in zip(grads, ref_grads))
+        print(f"  {rec['impl']} L={rec['L']} hkv={rec['hkv']}: max err {rec['max_err']:.3g}, "
+              f"rel L2 {rec['out_rel_l2_err']:.3g}, grads rel L2 {rec['grad_rel_l2_err']:.3g}",
+              flush=True)
 
 
 def write_results(records, args, argv, quiet=False):
@@ -168,23 +185,34 @@ def write_results(records, args, argv, quiet=False):
     lines = [f"# Attention benchmark ({meta['device']}, jax {meta['jax']}, {meta['date']})", "",
              f"Command: `{meta['command']}`" + (f" with `XLA_FLAGS={meta['xla_flags']}`"
                                                 if meta["xla_flags"] else ""), "",
-             "B=1, bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd).", "",
-             "| impl | L | Hq | Hkv | D | g | s | fwd ms | fwd+bwd ms | fwd TFLOP/s "
-             "| fwd+bwd TFLOP/s | fwd mem GiB | fwd+bwd mem GiB | max err vs xla "
-             "| max grad rel err vs xla |",
+             "B=1, bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd); "
+             "x cuDNN = full_cudnn time / this time, same shape, same run; errors against "
+             "cca_xla (output: max abs and relative L2; gradients of q, k, v: largest relative "
+             "L2).", "",
+             "| impl | L | Hq | Hkv | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s "
+             "| x cuDNN fwd | x cuDNN fwd+bwd | fwd mem GiB | fwd+bwd mem GiB | max err "
+             "| out rel L2 | grad rel L2 |",
              "|" + "---|" * 15]
+    cudnn = {(r["L"], r["hkv"]): r for r in records
+             if r["impl"] == "full_cudnn" and "error" not in r}
+
+    def num(value, fmt):
+        return "" if value is None else format(value, fmt)
+
     for r in records:
+        head = f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} |"
         if "error" in r:
-            lines.append(f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} | {r['d']} | "
-                         f"{r['g']} | {r['s']} | error: {r['error'][:80]} |" + " |" * 8)
+            lines.append(f"{head} error: {r['error'][:80]} |" + " |" * 10)
             continue
-        err = "" if r["max_err"] is None else f"{r['max_err']:.2e}"
-        gerr = "" if r.get("max_grad_rel_err") is None else f"{r['max_grad_rel_err']:.2e}"
+        base = cudnn.get((r["L"], r["hkv"]))
         lines.append(
-            f"| {r['impl']} | {r['L']} | {r['hq']} | {r['hkv']} | {r['d']} | {r['g']} | {r['s']}"
-            f" | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['fwd_tflops']:.1f}"
-            f" | {r['fwd_bwd_tflops']:.1f} | {r['fwd_mem_gib']:.2f} | {r['fwd_bwd_mem_gib']:.2f}"
-            f" | {err} | {gerr} |")
+            f"{head} {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['fwd_tflops']:.1f}"
+            f" | {r['fwd_bwd_tflops']:.1f}"
+            f" | {num(base and base['fwd_ms'] / r['fwd_ms'], '.2f')}"
+            f" | {num(base and base['fwd_bwd_ms'] / r['fwd_bwd_ms'], '.2f')}"
+            f" | {r['fwd_mem_gib']:.2f} | {r['fwd_bwd_mem_gib']:.2f}"
+            f" | {num(r.get('max_err'), '.2e')} | {num(r.get('out_rel_l2_err'), '.2e')}"
+            f" | {num(r.get('grad_rel_l2_err'), '.2e')} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     if not quiet:

@@ -131,6 +131,9 @@ def test_row_blocks_for_key_blocks_cover_exactly_the_visible_rows(g, s, bq, bk, 
     last_row = np.asarray(blocks.raw_key_rows(raw_lo))[0]
     first_row, end_row = (np.asarray(x)[0] for x in blocks.core_slot_rows(core_lo, core_hi,
                                                                           num_slots))
+    # The kernels read a block's bounds as its first and last entries.
+    for x in (last_row, first_row, end_row):
+        assert np.all(np.diff(x) >= 0), "per-key/slot row bounds must be non-decreasing"
     # Per member: exactly the rows that see it.
     for u in range(length):
         np.testing.assert_array_equal(np.nonzero(raw[:, u])[0], np.arange(u, last_row[u] + 1))
