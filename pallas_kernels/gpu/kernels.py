@@ -112,6 +112,26 @@ def _first_last(ref):
     return ref[0], ref[ref.shape[0] - 1]
 
 
+def _cond_loops(bounds, body, carry):
+    """Like `_split_loops` in one loop: body(j, carry, masked=<traced bool>)."""
+    first, full_first, full_last, last = bounds
+
+    def step(j, carry):
+        return body(j, carry, masked=(j < full_first) | (j >= full_last))
+    return lax.fori_loop(first, last, step, carry)
+
+
+_WALK_LOOPS = _split_loops   # experiment switches
+_KEY_LOOPS = _split_loops
+
+
+def _apply_mask(masked, mask, s):
+    """mask(s) when `masked`: a Python bool (split loops) or a traced one (`_cond_loops`)."""
+    if isinstance(masked, bool):
+        return mask(s) if masked else s
+    return lax.cond(masked, mask, lambda s: s, s)
+
+
 def _kv_head_map(groups: int):
     if groups == 1:
         return lambda h: h
@@ -136,9 +156,10 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
             kb = keys_ref[pl.ds(k0, block_k), :]
             vb = values_ref[pl.ds(k0, block_k), :]
             s = _dot(q, kb, tb=True)
-            if masked:
-                s = jnp.where(visible(k0 + jnp.arange(block_k, dtype=jnp.int32)), s, _MASKED)
-            return step(kb, vb, s, carry)
+
+            def mask(s):
+                return jnp.where(visible(k0 + jnp.arange(block_k, dtype=jnp.int32)), s, _MASKED)
+            return step(kb, vb, _apply_mask(masked, mask, s), carry)
         return body
 
     def raw_visible(keys):
@@ -148,9 +169,9 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
         return (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
 
     r1 = r0 + q.shape[0] - 1
-    carry = _split_loops(blocks.raw_blocks_for_rows(r0, r1, *_first_last(rlo_ref), block_k),
-                         loop_body(k_ref, v_ref, raw_visible), carry)
-    return _split_loops(blocks.core_blocks_for_rows(*_first_last(clo_ref), *_first_last(chi_ref),
+    carry = _WALK_LOOPS(blocks.raw_blocks_for_rows(r0, r1, *_first_last(rlo_ref), block_k),
+                        loop_body(k_ref, v_ref, raw_visible), carry)
+    return _WALK_LOOPS(blocks.core_blocks_for_rows(*_first_last(clo_ref), *_first_last(chi_ref),
                                                     block_k),
                         loop_body(ck_ref, cv_ref, core_visible), carry)
 
@@ -295,13 +316,15 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
             lse = lse_ref[pl.ds(gi * padded_len + r0, block_q)]
             delta = delta_ref[pl.ds(gi * padded_len + r0, block_q)]
             s_t = _dot(kb, q, tb=True)
-            if masked:
+
+            def mask(s_t):
                 rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
                 rlo = rlo_ref[pl.ds(r0, block_q)]
                 vis = (keys[:, None] >= rlo[None, :]) & (keys[:, None] <= rows[None, :])
-                s_t = jnp.where(vis, s_t, _MASKED)
+                return jnp.where(vis, s_t, _MASKED)
+            s_t = _apply_mask(masked, mask, s_t)
             return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
-        return _split_loops(bounds, body, carry)
+        return _KEY_LOOPS(bounds, body, carry)
 
     zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
     if groups == 1:
@@ -362,14 +385,16 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
         lse = lse_ref[pl.ds(r0, block_q)]
         delta = delta_ref[pl.ds(r0, block_q)]
         s_t = _dot(kb, q, tb=True)
-        if masked:
+
+        def mask(s_t):
             clo = clo_ref[pl.ds(r0, block_q)]
             chi = chi_ref[pl.ds(r0, block_q)]
             vis = (slots[:, None] >= clo[None, :]) & (slots[:, None] < chi[None, :])
-            s_t = jnp.where(vis, s_t, _MASKED)
+            return jnp.where(vis, s_t, _MASKED)
+        s_t = _apply_mask(masked, mask, s_t)
         return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
 
-    dk, dv = _split_loops(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
+    dk, dv = _KEY_LOOPS(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
                                          jnp.zeros(vb.shape, jnp.float32)))
     dck_ref[...] = (dk * scale).astype(dck_ref.dtype)
     dcv_ref[...] = dv.astype(dcv_ref.dtype)
