@@ -76,6 +76,26 @@ def test_matches_naive_float32(case):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("style", ["split", "one_loop"])
+def test_every_kernel_in_either_loop_style_matches_naive(style, monkeypatch):
+    """Each kernel's walk may be split loops or one loop with a branched mask (the defaults
+    differ per kernel); both must give the same result, packed rows included."""
+    from pallas_kernels.gpu import kernels as K
+    loops = K._split_loops if style == "split" else K._cond_loops
+    for name in ("_FORWARD_LOOPS", "_DQ_LOOPS", "_KEY_LOOPS"):
+        monkeypatch.setattr(K, name, loops)
+    q, k, v, ct = _inputs(21, 2, 130, 2, 1, 64)
+    kw = dict(group_size=3, window_size=10, segment_ids=_segments(2, 130, 5))
+    out, grads = _value_and_grads(
+        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, interpret=True, **kw, **SMALL),
+        q, k, v, ct)
+    ref, ref_grads = _value_and_grads(lambda q, k, v: cca_attention_naive(q, k, v, **kw),
+                                      q, k, v, ct)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+
+
 def test_matches_naive_bfloat16_default_blocks():
     """bf16 inputs, the default (GPU) tiling, G = 2, several query and core blocks."""
     q, k, v, ct = _inputs(7, 1, 300, 2, 1, 64, jnp.bfloat16)
