@@ -130,6 +130,16 @@ def _apply_mask(masked, mask, s):
     return lax.cond(masked, mask, lambda s: s, s)
 
 
+def _raw_visible(key, row, raw_lo):
+    """Row `row` sees raw key `key` (operands broadcast: [rows, keys] or [keys, rows])."""
+    return (key >= raw_lo) & (key <= row)
+
+
+def _core_visible(slot, core_lo, core_hi):
+    """A row with core range `[core_lo, core_hi)` sees core slot `slot` (broadcast)."""
+    return (slot >= core_lo) & (slot < core_hi)
+
+
 def _first_last(ref):
     """(smallest, largest) of a block's bound vector. Bounds are non-decreasing along rows
     (keys, slots), so these are its first and last entries: two scalar loads instead of two
@@ -169,10 +179,10 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
         return body
 
     def raw_visible(keys):
-        return (keys[None, :] >= rlo[:, None]) & (keys[None, :] <= rows[:, None])
+        return _raw_visible(keys[None, :], rows[:, None], rlo[:, None])
 
     def core_visible(slots):
-        return (slots[None, :] >= clo[:, None]) & (slots[None, :] < chi[:, None])
+        return _core_visible(slots[None, :], clo[:, None], chi[:, None])
 
     r1 = r0 + q.shape[0] - 1
     carry = loops(blocks.raw_blocks_for_rows(r0, r1, *_first_last(rlo_ref), block_k),
@@ -327,8 +337,8 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
             def mask(s_t):
                 rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
                 rlo = rlo_ref[pl.ds(r0, block_q)]
-                vis = (keys[:, None] >= rlo[None, :]) & (keys[:, None] <= rows[None, :])
-                return jnp.where(vis, s_t, _MASKED)
+                return jnp.where(_raw_visible(keys[:, None], rows[None, :], rlo[None, :]),
+                                 s_t, _MASKED)
             s_t = _apply_mask(masked, mask, s_t)
             return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
         return _KEY_LOOPS(bounds, body, carry)
@@ -396,8 +406,8 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
         def mask(s_t):
             clo = clo_ref[pl.ds(r0, block_q)]
             chi = chi_ref[pl.ds(r0, block_q)]
-            vis = (slots[:, None] >= clo[None, :]) & (slots[:, None] < chi[None, :])
-            return jnp.where(vis, s_t, _MASKED)
+            return jnp.where(_core_visible(slots[:, None], clo[None, :], chi[None, :]),
+                             s_t, _MASKED)
         s_t = _apply_mask(masked, mask, s_t)
         return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
 
