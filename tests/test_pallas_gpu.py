@@ -58,14 +58,11 @@ def _segments(b, length, seed):
                                  for c in cuts]), jnp.int32)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_naive_float32(case):
-    _, b, length, hq, hkv, g, s, pooling, packed = case
-    q, k, v, ct = _inputs(len(case[0]), b, length, hq, hkv, 64)
-    seg = _segments(b, length, 3) if packed else None
-    kw = dict(group_size=g, window_size=s, pooling=pooling, segment_ids=seg)
+def _assert_matches_naive_float32(q, k, v, ct, kw, tiling):
+    """Kernels (interpret mode, `tiling`) against naive: outputs and q/k/v grads, finite and
+    within float32 tolerances."""
     out, grads = _value_and_grads(
-        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, interpret=True, **kw, **SMALL),
+        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, interpret=True, **kw, **tiling),
         q, k, v, ct)
     ref, ref_grads = _value_and_grads(lambda q, k, v: cca_attention_naive(q, k, v, **kw),
                                       q, k, v, ct)
@@ -74,6 +71,15 @@ def test_matches_naive_float32(case):
     for name, got, want in zip("qkv", grads, ref_grads):
         assert np.all(np.isfinite(np.asarray(got))), name
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_naive_float32(case):
+    _, b, length, hq, hkv, g, s, pooling, packed = case
+    q, k, v, ct = _inputs(len(case[0]), b, length, hq, hkv, 64)
+    seg = _segments(b, length, 3) if packed else None
+    kw = dict(group_size=g, window_size=s, pooling=pooling, segment_ids=seg)
+    _assert_matches_naive_float32(q, k, v, ct, kw, SMALL)
 
 
 @pytest.mark.parametrize("style", ["split", "one_loop"])
@@ -86,14 +92,7 @@ def test_every_kernel_in_either_loop_style_matches_naive(style, monkeypatch):
         monkeypatch.setattr(K, name, loops)
     q, k, v, ct = _inputs(21, 2, 130, 2, 1, 64)
     kw = dict(group_size=3, window_size=10, segment_ids=_segments(2, 130, 5))
-    out, grads = _value_and_grads(
-        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, interpret=True, **kw, **SMALL),
-        q, k, v, ct)
-    ref, ref_grads = _value_and_grads(lambda q, k, v: cca_attention_naive(q, k, v, **kw),
-                                      q, k, v, ct)
-    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
-    for name, got, want in zip("qkv", grads, ref_grads):
-        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+    _assert_matches_naive_float32(q, k, v, ct, kw, SMALL)
 
 
 def test_matches_naive_bfloat16_default_blocks():
@@ -188,14 +187,7 @@ def test_large_batches_run_in_chunks(monkeypatch):
     kw = dict(group_size=4, window_size=9)
     small = dict(block_q=32, block_k=32, dq_block_q=32, dq_block_k=32, dkv_block_k=32,
                  dkv_block_q=32, dc_block_k=32, dc_block_q=32)
-    out, grads = _value_and_grads(
-        lambda q, k, v: cca_attention_pallas_gpu(q, k, v, interpret=True, **kw, **small),
-        q, k, v, ct)
-    ref, ref_grads = _value_and_grads(lambda q, k, v: cca_attention_naive(q, k, v, **kw),
-                                      q, k, v, ct)
-    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
-    for got, want in zip(grads, ref_grads):
-        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
+    _assert_matches_naive_float32(q, k, v, ct, kw, small)
     monkeypatch.setattr(api, "_MAX_ELEMS", 100)
     with pytest.raises(ValueError, match="implementation='xla'"):
         cca_attention_pallas_gpu(q, k, v, interpret=True, **kw)
