@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.measure import median_ms, rel_l2  # noqa: E402
 from cca_jax.attention import cca_attention  # noqa: E402
 from cca_jax.blocks import visible_score_count  # noqa: E402
 
@@ -48,17 +48,6 @@ def _full_cudnn(q, k, v, g, s):
 
 IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca_pallas_gpu,
          "full_cudnn": _full_cudnn}
-
-
-def _median_ms(fn, args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _memory_bytes(compiled) -> int | None:
@@ -87,8 +76,8 @@ def bench_one(name, q, k, v, g, s, ct, iters):
           flush=True)
     rec["fwd_mem_gib"] = (_memory_bytes(fwd_c) or 0) / 2**30
     rec["fwd_bwd_mem_gib"] = (_memory_bytes(bwd_c) or 0) / 2**30
-    rec["fwd_ms"] = _median_ms(fwd_c, (q, k, v), 2, iters)
-    rec["fwd_bwd_ms"] = _median_ms(bwd_c, (q, k, v, ct), 2, iters)
+    rec["fwd_ms"] = median_ms(fwd_c, (q, k, v), warmup=2, iters=iters)
+    rec["fwd_bwd_ms"] = median_ms(bwd_c, (q, k, v, ct), warmup=2, iters=iters)
     return rec, fwd_c(q, k, v), bwd_c(q, k, v, ct)
 
 
@@ -148,11 +137,6 @@ def main(argv=None):
     write_results(records, args, argv)
 
 
-def _rel_l2(a, b) -> float:
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
 def _add_errors(results) -> None:
     """Errors of every CCA implementation against `cca_xla` (the reference), in place."""
     if "cca_xla" not in results:
@@ -161,13 +145,13 @@ def _add_errors(results) -> None:
     for rec, out, grads in results.values():
         rec["max_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32)
                                                - ref_out.astype(jnp.float32))))
-        rec["out_rel_l2_err"] = _rel_l2(out, ref_out)
+        rec["out_rel_l2_err"] = rel_l2(out, ref_out)
         # Largest |dx - dx_xla| over q, k, v, relative to max |dx_xla|; and relative L2.
         rec["max_grad_rel_err"] = max(
             float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                   / jnp.max(jnp.abs(b.astype(jnp.float32))))
             for a, b in zip(grads, ref_grads))
-        rec["grad_rel_l2_err"] = max(_rel_l2(a, b) for a, b in zip(grads, ref_grads))
+        rec["grad_rel_l2_err"] = max(rel_l2(a, b) for a, b in zip(grads, ref_grads))
         print(f"  {rec['impl']} L={rec['L']} hkv={rec['hkv']}: max err {rec['max_err']:.3g}, "
               f"rel L2 {rec['out_rel_l2_err']:.3g}, grads rel L2 {rec['grad_rel_l2_err']:.3g}",
               flush=True)

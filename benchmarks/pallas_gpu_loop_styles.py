@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import pallas_gpu_sweep as S  # noqa: E402
+from benchmarks.measure import median_ms  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 from pallas_kernels.gpu import kernel_config  # noqa: E402
 from pallas_kernels.gpu import kernels as K  # noqa: E402
@@ -49,15 +50,8 @@ def main(argv=None):
         no_core = jnp.zeros_like(clo)
         scores = blocks.visible_score_count(length, g, s)
         raw = S.raw_scores(length, g, s)
-        out, lse = jax.jit(lambda *a: K._forward(*a, base))(*padded)
-        do = ct.astype(qp.dtype)
-        delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
-        last_row = blocks.raw_key_rows(rlo)
-        first_row, end_row = blocks.core_slot_rows(clo, chi, ckp.shape[1])
-        backward = {"dq": (K._dq, (qp, kp, vp, ckp, cvp, do, lse, delta, rlo, clo, chi)),
-                    "dkv": (K._dkv, (qp, kp, vp, do, lse, delta, rlo, last_row)),
-                    "dc": (K._dcore, (qp, ckp, cvp, do, lse, delta, clo, chi, first_row,
-                                      end_row))}
+        out = jax.jit(lambda *a: K._forward(*a, base))(*padded)[0]
+        backward = S.backward_kernels(padded, ct, base)
         runs = [("split", K._split_loops, (128, 128, 8, 3)),
                 ("cond", K._cond_loops, (128, 128, 8, 3))]
         if length < 131072:
@@ -71,14 +65,14 @@ def main(argv=None):
                 f = jax.jit(lambda *a, cfg=cfg: K._forward(*a, cfg))
                 rec["max_diff"] = float(jnp.max(jnp.abs(f(*padded)[0].astype(jnp.float32)
                                                         - out.astype(jnp.float32))))
-                rec["ms"] = S.median_ms(f, padded)
-                rec["raw_only_ms"] = S.median_ms(f, (qp, kp, vp, ckp, cvp, rlo, no_core,
+                rec["ms"] = median_ms(f, padded)
+                rec["raw_only_ms"] = median_ms(f, (qp, kp, vp, ckp, cvp, rlo, no_core,
                                                      no_core))
                 rec["tflops"] = 4 * d * hq * scores / rec["ms"] / 1e9
                 rec["raw_tflops"] = 4 * d * hq * raw / rec["raw_only_ms"] / 1e9
                 if cfg == base:
                     for name, (fn, fn_args) in backward.items():
-                        rec[name + "_ms"] = S.median_ms(
+                        rec[name + "_ms"] = median_ms(
                             jax.jit(lambda *a, fn=fn: fn(*a, base)), fn_args)
             except Exception as e:  # noqa: BLE001  (record and go on)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.measure import median_ms, rel_l2  # noqa: E402
 from cca_jax.attention import cca_attention_xla  # noqa: E402
 from cca_jax.attention.pooling import pool_core_tokens  # noqa: E402
 from cca_jax import blocks  # noqa: E402
@@ -41,20 +41,6 @@ def log(rec: dict) -> None:
     rec["t"] = round(time.time() - T0, 1)
     RECORDS.append(rec)
     print(json.dumps(rec), flush=True)
-
-
-def median_ms(fn, args, max_s: float = 0.5, max_iters: int = 20) -> float:
-    jax.block_until_ready(fn(*args))      # warm
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    once = time.perf_counter() - start
-    iters = int(max(3, min(max_iters, max_s / max(once, 1e-4))))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def raw_scores(length: int, g: int, s: int) -> int:
@@ -72,8 +58,8 @@ def inputs(seed, b, length, hq, hkv, d, dtype=jnp.bfloat16):
 
 
 def rel(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)), float(jnp.max(jnp.abs(a - b)))
+    """(relative L2, max abs) of a against b."""
+    return rel_l2(a, b), float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
 def grads_fn(fn, ct):
@@ -132,6 +118,20 @@ def kernel_inputs(length, hq, hkv, d, g, s, cfg):
     return padded, ct
 
 
+def backward_kernels(padded, ct, cfg):
+    """{"dq" | "dkv" | "dc": (kernel, its inputs)}: each backward kernel's arguments (all
+    but the config) from the padded forward inputs, the forward's lse and cotangent `ct`."""
+    qp, kp, vp, ckp, cvp, rlo, clo, chi = padded
+    out, lse = jax.jit(lambda *a: K._forward(*a, cfg))(*padded)
+    do = ct.astype(qp.dtype)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
+    last_row = blocks.raw_key_rows(rlo)
+    first_row, end_row = blocks.core_slot_rows(clo, chi, ckp.shape[1])
+    return {"dq": (K._dq, (qp, kp, vp, ckp, cvp, do, lse, delta, rlo, clo, chi)),
+            "dkv": (K._dkv, (qp, kp, vp, do, lse, delta, rlo, last_row)),
+            "dc": (K._dcore, (qp, ckp, cvp, do, lse, delta, clo, chi, first_row, end_row))}
+
+
 def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
     scores = blocks.visible_score_count(length, g, s)
     raw = raw_scores(length, g, s)
@@ -165,21 +165,10 @@ def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
         best.update(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
     # Backward kernels alone, on the forward's lse.
     cfg0 = base._replace(**best) if best else base
-    out, lse = jax.jit(lambda *a: K._forward(*a, cfg0))(*padded)
-    do = ct.astype(qp.dtype)
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
-    last_row = blocks.raw_key_rows(rlo)
-    first_row, end_row = blocks.core_slot_rows(clo, chi, ckp.shape[1])
-    kern = {
-        "dq": (lambda cfg: jax.jit(lambda *a: K._dq(*a, cfg)),
-               (qp, kp, vp, ckp, cvp, do, lse, delta, rlo, clo, chi), scores),
-        "dkv": (lambda cfg: jax.jit(lambda *a: K._dkv(*a, cfg)),
-                (qp, kp, vp, do, lse, delta, rlo, last_row), raw),
-        "dc": (lambda cfg: jax.jit(lambda *a: K._dcore(*a, cfg)),
-               (qp, ckp, cvp, do, lse, delta, clo, chi, first_row, end_row), scores - raw),
-    }
+    n_scores_of = {"dq": scores, "dkv": raw, "dc": scores - raw}
     prefix = {"dq": "dq_", "dkv": "dkv_", "dc": "dc_"}
-    for name, (make, args, n_scores) in kern.items():
+    for name, (kernel, args) in backward_kernels(padded, ct, cfg0).items():
+        n_scores = n_scores_of[name]
         best_k = None
         for (b1, b2, w, st) in bwd_cfgs[name]:
             if time.time() - T0 > budget:
@@ -194,7 +183,7 @@ def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
             cfg = cfg0._replace(**fields)
             rec = {"step": name, "L": length, "hkv": hkv, "cfg": [b1, b2, w, st]}
             try:
-                rec["ms"] = median_ms(make(cfg), args)
+                rec["ms"] = median_ms(jax.jit(lambda *a, cfg=cfg: kernel(*a, cfg)), args)
                 # dq: 3 matmuls per score; dk/dv and dck/dcv: 4 (s, dp recomputed, dv, dk).
                 mm = 3 if name == "dq" else 4
                 rec["tflops"] = 2 * d * hq * mm * n_scores / rec["ms"] / 1e9

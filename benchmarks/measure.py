@@ -1,0 +1,34 @@
+"""Timing and error measures shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_ms(fn, args, *, warmup: int = 1, iters: int | None = None, max_s: float = 0.5,
+              max_iters: int = 20) -> float:
+    """Median wall milliseconds of `fn(*args)` after `warmup` calls. `iters=None` sizes the
+    count from one timed call: about `max_s` seconds in all, 3 to `max_iters` runs."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    if iters is None:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        once = time.perf_counter() - start
+        iters = int(max(3, min(max_iters, max_s / max(once, 1e-4))))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def rel_l2(a, b) -> float:
+    """|a - b| / |b| in float32 (L2 norms)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
