@@ -122,6 +122,19 @@ _FORWARD_LOOPS = _cond_loops
 _DQ_LOOPS = _split_loops
 _KEY_LOOPS = _split_loops
 
+# Launch order. CTAs start in grid order and a query block's (core block's) work grows
+# (shrinks) along the sequence, so the last-launched CTAs of a kernel can be its heaviest and
+# run on alone. Heavy first: forward and dq take query blocks last to first; dck/dcv puts the
+# heads on the fastest grid axis, so every head's heaviest core blocks start together. A
+# 132-SM greedy schedule of the work per CTA predicts tails of 5.9% (128K) and 30% (32K) of
+# dck/dcv without it; `benchmarks/pallas_gpu_variants.py` measures it both ways.
+_HEAVY_FIRST = True
+
+
+def _query_block(i, num_blocks):
+    """The query block grid index `i` runs (heaviest first under `_HEAVY_FIRST`)."""
+    return num_blocks - 1 - i if _HEAVY_FIRST else i
+
 
 def _apply_mask(masked, mask, s):
     """mask(s) when `masked`: a Python bool (split loops) or a traced one (`_cond_loops`)."""
@@ -196,7 +209,7 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
                 o_ref, lse_ref, *, block_q: int, block_k: int, scale: float):
-    r0 = pl.program_id(0) * block_q
+    r0 = _query_block(pl.program_id(0), pl.num_programs(0)) * block_q
     q = q_ref[...]
     c = scale * _LOG2E
     d = q.shape[-1]
@@ -229,12 +242,14 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     bq, bk = cfg.block_q, cfg.block_k
     kvh = _kv_head_map(hq // hkv)
     kernel = functools.partial(_fwd_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
-    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, i))
+    nq = lp // bq
+    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, _query_block(i, nq)))
+    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, _query_block(i, nq), h, 0))
     return pl.pallas_call(
         kernel,
-        grid=(lp // bq, hq, b),
+        grid=(nq, hq, b),
         in_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, i, h, 0)),
+            q_block,
             pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
             pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
             pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
@@ -242,8 +257,8 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
             row_block, row_block, row_block,
         ],
         out_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, i)),
+            q_block,
+            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, _query_block(i, nq))),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)],
@@ -257,7 +272,7 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
 
 def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
                rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float):
-    r0 = pl.program_id(0) * block_q
+    r0 = _query_block(pl.program_id(0), pl.num_programs(0)) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     c = scale * _LOG2E
@@ -280,12 +295,13 @@ def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelCo
     bq, bk = cfg.dq_block_q, cfg.dq_block_k
     kvh = _kv_head_map(hq // hkv)
     kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
-    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, i))
-    head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, i))
-    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, i, h, 0))
+    nq = lp // bq
+    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, _query_block(i, nq)))
+    head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, _query_block(i, nq)))
+    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, _query_block(i, nq), h, 0))
     return pl.pallas_call(
         kernel,
-        grid=(lp // bq, hq, b),
+        grid=(nq, hq, b),
         in_specs=[
             q_block,
             pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
@@ -387,7 +403,7 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
 def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, cv_ref,
                   first_row_ref, end_row_ref, dck_ref, dcv_ref, *, block_q: int, block_c: int,
                   scale: float):
-    c0 = pl.program_id(0) * block_c
+    c0 = pl.program_id(1 if _HEAVY_FIRST else 0) * block_c
     slots = c0 + jnp.arange(block_c, dtype=jnp.int32)
     kb, vb = ck_ref[...], cv_ref[...]
     c = scale * _LOG2E
@@ -424,14 +440,22 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
     bc, bq = cfg.dc_block_k, cfg.dc_block_q
     kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
                                scale=1.0 / math.sqrt(d))
-    whole_q = pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, h, 0))
-    whole_rows = pl.BlockSpec((None, None, lp), lambda i, h, z: (z, h, 0))
-    bounds_row = pl.BlockSpec((None, lp), lambda i, h, z: (z, 0))
-    c_block = pl.BlockSpec((None, bc, None, d), lambda i, h, z: (z, i, h, 0))
-    slot_block = pl.BlockSpec((None, bc), lambda i, h, z: (z, i))
+    # Grid (core block, head, batch), or (head, core block, batch) under _HEAVY_FIRST; the
+    # index maps and the kernel see (core block, head, batch) either way.
+    grid, ids = (mp // bc, hq, b), (lambda i, h, z: (i, h, z))
+    if _HEAVY_FIRST:
+        grid, ids = (hq, mp // bc, b), (lambda h, i, z: (i, h, z))
+
+    def spec(shape, index):
+        return pl.BlockSpec(shape, lambda *g: index(*ids(*g)))
+    whole_q = spec((None, lp, None, d), lambda i, h, z: (z, 0, h, 0))
+    whole_rows = spec((None, None, lp), lambda i, h, z: (z, h, 0))
+    bounds_row = spec((None, lp), lambda i, h, z: (z, 0))
+    c_block = spec((None, bc, None, d), lambda i, h, z: (z, i, h, 0))
+    slot_block = spec((None, bc), lambda i, h, z: (z, i))
     return pl.pallas_call(
         kernel,
-        grid=(mp // bc, hq, b),
+        grid=grid,
         in_specs=[whole_q, whole_q, whole_rows, whole_rows, bounds_row, bounds_row,
                   c_block, c_block, slot_block, slot_block],
         out_specs=[c_block, c_block],
