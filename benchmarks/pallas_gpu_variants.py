@@ -4,8 +4,9 @@
         > records.jsonl
 
 Per length (Hq = Hkv = 32, D = 128, g = 16, s = 1024, bf16, default tiling):
-- the forward, dq and dck/dcv kernels alone with `kernels._HEAVY_FIRST` off and on (the
-  outputs must be bit-identical: only the order of the CTAs changes);
+- the forward, dq and dck/dcv kernels alone with the heavy-first launch order off and on
+  (`kernels._FORWARD_HEAVY_FIRST` etc.; the outputs must be bit-identical: only the order of
+  the CTAs changes);
 - the forward with 64 x 64 tiles, 4 warps, 3 and 2 stages (112 and 80 KiB of shared memory:
   two CTAs fit an SM, so one's softmax can overlap the other's matmuls);
 - the XLA pooling alone, forward and forward+backward (what the end-to-end time adds).
@@ -43,12 +44,21 @@ def _emit(rec: dict, start: float) -> None:
     print(json.dumps(rec), flush=True)
 
 
+def _orders():
+    return K._FORWARD_HEAVY_FIRST, K._DQ_HEAVY_FIRST, K._DCORE_HEAVY_FIRST
+
+
+def _set_orders(flags) -> None:
+    K._FORWARD_HEAVY_FIRST, K._DQ_HEAVY_FIRST, K._DCORE_HEAVY_FIRST = flags
+
+
 def launch_order(length, hq, hkv, d, g, s, base, start):
     """Forward, dq and dck/dcv alone, heavy first off and on."""
     padded, ct = S.kernel_inputs(length, hq, hkv, d, g, s, base)
     outputs = {}
+    defaults = _orders()
     for heavy_first in (False, True):
-        K._HEAVY_FIRST = heavy_first
+        _set_orders((heavy_first,) * 3)
         kernels = {"fwd": (K._forward, padded)}
         backward = S.backward_kernels(padded, ct, base)
         kernels.update(dq=backward["dq"], dc=backward["dc"])
@@ -67,7 +77,7 @@ def launch_order(length, hq, hkv, d, g, s, base, start):
             except Exception as e:  # noqa: BLE001  (record and go on)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             _emit(rec, start)
-    K._HEAVY_FIRST = True
+    _set_orders(defaults)
     return padded
 
 

@@ -95,6 +95,18 @@ def test_every_kernel_in_either_loop_style_matches_naive(style, monkeypatch):
     _assert_matches_naive_float32(q, k, v, ct, kw, SMALL)
 
 
+@pytest.mark.parametrize("heavy_first", [False, True])
+def test_either_launch_order_matches_naive(heavy_first, monkeypatch):
+    """Heavy-first launch order (query blocks last to first; dck/dcv heads on the fastest
+    grid axis) only reorders CTAs: every kernel matches naive either way, packed rows too."""
+    from pallas_kernels.gpu import kernels as K
+    for name in ("_FORWARD_HEAVY_FIRST", "_DQ_HEAVY_FIRST", "_DCORE_HEAVY_FIRST"):
+        monkeypatch.setattr(K, name, heavy_first)
+    q, k, v, ct = _inputs(22, 2, 130, 2, 1, 64)
+    kw = dict(group_size=3, window_size=10, segment_ids=_segments(2, 130, 6))
+    _assert_matches_naive_float32(q, k, v, ct, kw, SMALL)
+
+
 def test_matches_naive_bfloat16_default_blocks():
     """bf16 inputs, the default (GPU) tiling, G = 2, several query and core blocks."""
     q, k, v, ct = _inputs(7, 1, 300, 2, 1, 64, jnp.bfloat16)

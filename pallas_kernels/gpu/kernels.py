@@ -6,7 +6,8 @@ from `cca_jax.blocks.row_ranges`. Nothing is transposed; sequences are zero-padd
 blocks (padded rows see only their own zero key, so every loaded value is finite; in
 interpret mode nothing is ever read out of bounds).
 
-Kernels (grid dims: block, head, batch; at most 3 as the Triton lowering requires):
+Kernels (grid dims: block, head, batch, at most 3 as the Triton lowering requires; launch order
+heavy first where that measured faster, see `_FORWARD_HEAVY_FIRST`):
   forward   per (query block, query head): ONE online softmax, base 2, over the raw-window
             key blocks first (every row sees its own key, so the running max is finite
             before any fully masked block) and then the core blocks; only edge blocks
@@ -16,8 +17,8 @@ Kernels (grid dims: block, head, batch; at most 3 as the Triton lowering require
   dkv       per (raw key block, KV head): loops over the G query heads of the group and
             over the query blocks that see the key block (`blocks.row_blocks_for_interval`
             on `blocks.raw_key_rows`); GQA gradients are summed in registers, no partials.
-  dcore     per (core block, query head): loops over the query blocks that see the slots
-            (`blocks.core_slot_rows`).
+  dcore     per (core block, query head), heads on the fastest grid axis: loops over the
+            query blocks that see the slots (`blocks.core_slot_rows`).
 A fused backward (dq added with float32 atomics inside dkv and dcore: 5 matmuls per score
 instead of 7) was built and measured on the H200: 271 ms forward+backward at 128K against
 112 ms for these separate kernels (atomic contention), so it was removed.
@@ -122,18 +123,22 @@ _FORWARD_LOOPS = _cond_loops
 _DQ_LOOPS = _split_loops
 _KEY_LOOPS = _split_loops
 
-# Launch order. CTAs start in grid order and a query block's (core block's) work grows
-# (shrinks) along the sequence, so the last-launched CTAs of a kernel can be its heaviest and
-# run on alone. Heavy first: forward and dq take query blocks last to first; dck/dcv puts the
-# heads on the fastest grid axis, so every head's heaviest core blocks start together. A
-# 132-SM greedy schedule of the work per CTA predicts tails of 5.9% (128K) and 30% (32K) of
-# dck/dcv without it; `benchmarks/pallas_gpu_variants.py` measures it both ways.
-_HEAVY_FIRST = True
+# Launch order. CTAs start in grid order, and a query block's work grows along the sequence
+# while a core block's shrinks, so the last CTAs launched can be a kernel's heaviest and run
+# on alone. Heavy first: the forward takes query blocks last to first; dck/dcv puts the heads
+# on the fastest grid axis, so every head's heaviest core blocks start together (a 132-SM
+# greedy schedule of the work per CTA predicted tails of 5.9% at 128K and 30% at 32K). H200,
+# Hq = Hkv = 32, kernel alone, off vs on (benchmarks/results/pallas_gpu_variants_h200.jsonl):
+# forward 25.48 vs 25.30 ms at 128K, 3.17 vs 3.15 at 32K; dck/dcv 36.69 vs 34.77 and 2.90 vs
+# 2.41; dq 30.74 vs 31.15 and 3.57 vs 3.64, so dq keeps the plain order.
+_FORWARD_HEAVY_FIRST = True
+_DQ_HEAVY_FIRST = False
+_DCORE_HEAVY_FIRST = True
 
 
-def _query_block(i, num_blocks):
-    """The query block grid index `i` runs (heaviest first under `_HEAVY_FIRST`)."""
-    return num_blocks - 1 - i if _HEAVY_FIRST else i
+def _query_block(i, num_blocks, heavy_first: bool):
+    """The query block that grid index `i` runs: the last first when `heavy_first`."""
+    return num_blocks - 1 - i if heavy_first else i
 
 
 def _apply_mask(masked, mask, s):
@@ -209,7 +214,7 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
                 o_ref, lse_ref, *, block_q: int, block_k: int, scale: float):
-    r0 = _query_block(pl.program_id(0), pl.num_programs(0)) * block_q
+    r0 = _query_block(pl.program_id(0), pl.num_programs(0), _FORWARD_HEAVY_FIRST) * block_q
     q = q_ref[...]
     c = scale * _LOG2E
     d = q.shape[-1]
@@ -243,8 +248,9 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     kvh = _kv_head_map(hq // hkv)
     kernel = functools.partial(_fwd_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
     nq = lp // bq
-    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, _query_block(i, nq)))
-    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, _query_block(i, nq), h, 0))
+    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=_FORWARD_HEAVY_FIRST)
+    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, qb(i)))
+    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, qb(i), h, 0))
     return pl.pallas_call(
         kernel,
         grid=(nq, hq, b),
@@ -258,7 +264,7 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
         ],
         out_specs=[
             q_block,
-            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, _query_block(i, nq))),
+            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, qb(i))),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)],
@@ -272,7 +278,7 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
 
 def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
                rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float):
-    r0 = _query_block(pl.program_id(0), pl.num_programs(0)) * block_q
+    r0 = _query_block(pl.program_id(0), pl.num_programs(0), _DQ_HEAVY_FIRST) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     c = scale * _LOG2E
@@ -296,9 +302,10 @@ def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelCo
     kvh = _kv_head_map(hq // hkv)
     kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
     nq = lp // bq
-    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, _query_block(i, nq)))
-    head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, _query_block(i, nq)))
-    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, _query_block(i, nq), h, 0))
+    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=_DQ_HEAVY_FIRST)
+    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, qb(i)))
+    head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, qb(i)))
+    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, qb(i), h, 0))
     return pl.pallas_call(
         kernel,
         grid=(nq, hq, b),
@@ -403,7 +410,7 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
 def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, cv_ref,
                   first_row_ref, end_row_ref, dck_ref, dcv_ref, *, block_q: int, block_c: int,
                   scale: float):
-    c0 = pl.program_id(1 if _HEAVY_FIRST else 0) * block_c
+    c0 = pl.program_id(1 if _DCORE_HEAVY_FIRST else 0) * block_c
     slots = c0 + jnp.arange(block_c, dtype=jnp.int32)
     kb, vb = ck_ref[...], cv_ref[...]
     c = scale * _LOG2E
@@ -440,10 +447,10 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
     bc, bq = cfg.dc_block_k, cfg.dc_block_q
     kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
                                scale=1.0 / math.sqrt(d))
-    # Grid (core block, head, batch), or (head, core block, batch) under _HEAVY_FIRST; the
-    # index maps and the kernel see (core block, head, batch) either way.
+    # Grid (core block, head, batch), or (head, core block, batch) when heavy first; the
+    # index maps see (core block, head, batch) either way.
     grid, ids = (mp // bc, hq, b), (lambda i, h, z: (i, h, z))
-    if _HEAVY_FIRST:
+    if _DCORE_HEAVY_FIRST:
         grid, ids = (hq, mp // bc, b), (lambda h, i, z: (i, h, z))
 
     def spec(shape, index):
