@@ -5,7 +5,8 @@
 Not a CCA kernel: a measurement behind "what would close the gap" in
 `results/pallas_gpu_h200_notes.md`. It times `jax.experimental.pallas.ops.gpu.attention_mgpu`
 (warp-specialized: TMA loads, two consumer warpgroups) forward, causal and not, against
-cuDNN's full attention on the same inputs, B = 1, Hq = Hkv = 32, D = 128, bf16; TFLOP/s
+cuDNN's full attention on the same inputs, B = 1, Hq = Hkv = 32, D = 128, float16 (the
+jax kernel casts P to float16, so bf16 inputs fail there; the tensor cores' rate is the same); TFLOP/s
 count the scores each computes (causal: half). One JSON record per line; needs a Hopper GPU.
 """
 
@@ -35,7 +36,7 @@ def main(argv=None):
     d, h = 128, args.heads
     for length in map(int, args.lengths.split(",")):
         keys = jax.random.split(jax.random.key(length), 3)
-        q, k, v = (jax.random.normal(kk, (1, length, h, d), jnp.bfloat16) for kk in keys)
+        q, k, v = (jax.random.normal(kk, (1, length, h, d), jnp.float16) for kk in keys)
         for causal in (True, False):
             flops = 4 * length * length * d * h // (2 if causal else 1)
             cudnn = jax.jit(lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
