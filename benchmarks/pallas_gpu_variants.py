@@ -35,15 +35,6 @@ from pallas_kernels.gpu import kernels as K  # noqa: E402
 TWO_PER_SM_TILINGS = [(64, 64, 4, 3), (64, 64, 4, 2)]
 
 
-def _max_diff(a, b) -> float:
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-
-
-def _emit(rec: dict, start: float) -> None:
-    rec["t"] = round(time.time() - start, 1)
-    print(json.dumps(rec), flush=True)
-
-
 def _orders():
     return K._FORWARD_HEAVY_FIRST, K._DQ_HEAVY_FIRST, K._DCORE_HEAVY_FIRST
 
@@ -52,16 +43,15 @@ def _set_orders(flags) -> None:
     K._FORWARD_HEAVY_FIRST, K._DQ_HEAVY_FIRST, K._DCORE_HEAVY_FIRST = flags
 
 
-def launch_order(length, hq, hkv, d, g, s, base, start):
+def launch_order(length, hq, hkv, d, g, s, base):
     """Forward, dq and dck/dcv alone, heavy first off and on."""
     padded, ct = S.kernel_inputs(length, hq, hkv, d, g, s, base)
+    backward = S.backward_kernels(padded, ct, base)   # the order is read when a kernel traces
+    kernels = {"fwd": (K._forward, padded), "dq": backward["dq"], "dc": backward["dc"]}
     outputs = {}
     defaults = _orders()
     for heavy_first in (False, True):
         _set_orders((heavy_first,) * 3)
-        kernels = {"fwd": (K._forward, padded)}
-        backward = S.backward_kernels(padded, ct, base)
-        kernels.update(dq=backward["dq"], dc=backward["dc"])
         for name, (fn, args) in kernels.items():
             rec = {"what": "launch_order", "L": length, "kernel": name,
                    "heavy_first": heavy_first}
@@ -70,18 +60,18 @@ def launch_order(length, hq, hkv, d, g, s, base, start):
                 out = jax.block_until_ready(f(*args))
                 if name in outputs:   # same math in another CTA order: bit-identical
                     rec["max_diff_vs_other_order"] = max(
-                        _max_diff(x, y) for x, y in zip(jax.tree.leaves(out),
-                                                        jax.tree.leaves(outputs[name])))
+                        S.rel(x, y)[1] for x, y in zip(jax.tree.leaves(out),
+                                                       jax.tree.leaves(outputs[name])))
                 outputs[name] = out
                 rec["ms"] = median_ms(f, args)
             except Exception as e:  # noqa: BLE001  (record and go on)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            _emit(rec, start)
+            S.log(rec)
     _set_orders(defaults)
     return padded
 
 
-def forward_tilings(length, hq, d, g, s, base, padded, tilings, start):
+def forward_tilings(length, hq, d, g, s, base, padded, tilings):
     scores = blocks.visible_score_count(length, g, s)
     for bq, bk, w, st in tilings:
         cfg = base._replace(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
@@ -92,10 +82,10 @@ def forward_tilings(length, hq, d, g, s, base, padded, tilings, start):
             rec["tflops"] = 4 * d * hq * scores / rec["ms"] / 1e9
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        _emit(rec, start)
+        S.log(rec)
 
 
-def pooling(length, hq, hkv, d, g, s, start):
+def pooling(length, hq, hkv, d, g, s):
     q, k, v, _ = S.inputs(3, 1, length, hq, hkv, d)
     m = blocks.num_pooled_groups(length, g, s)
 
@@ -108,7 +98,7 @@ def pooling(length, hq, hkv, d, g, s, start):
     rec = {"what": "pooling", "L": length, "hkv": hkv}
     rec["fwd_ms"] = median_ms(jax.jit(pool), (q, k, v))
     rec["fwd_bwd_ms"] = median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v))
-    _emit(rec, start)
+    S.log(rec)
 
 
 def main(argv=None):
@@ -117,19 +107,18 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=240)
     args = ap.parse_args(argv)
     cpu = jax.default_backend() == "cpu"     # interpret mode: a tiny smoke run of the script
-    start = time.time()
     print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}),
           flush=True)
     for length in ([512] if cpu else map(int, args.lengths.split(","))):
-        if time.time() - start > args.budget_s:
-            _emit({"L": length, "skipped": "budget"}, start)
+        if time.time() - S.T0 > args.budget_s:
+            S.log({"L": length, "skipped": "budget"})
             continue
         hq, hkv, d, g, s = (2, 2, 64, 4, 40) if cpu else (32, 32, 128, 16, 1024)
         base = kernel_config(g, s, d, interpret=cpu)
-        padded = launch_order(length, hq, hkv, d, g, s, base, start)
+        padded = launch_order(length, hq, hkv, d, g, s, base)
         tilings = [(32, 32, 4, 2)] if cpu else TWO_PER_SM_TILINGS
-        forward_tilings(length, hq, d, g, s, base, padded, tilings, start)
-        pooling(length, hq, hkv, d, g, s, start)
+        forward_tilings(length, hq, d, g, s, base, padded, tilings)
+        pooling(length, hq, hkv, d, g, s)
 
 
 if __name__ == "__main__":
