@@ -1,0 +1,42 @@
+"""Padding to whole blocks, shared by the blocked XLA implementation and the Pallas kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def round_up(x: int, n: int) -> int:
+    """The smallest multiple of `n` that is >= `x`."""
+    return -(-x // n) * n
+
+
+def pad_rows(x: jax.Array, total: int) -> jax.Array:
+    """Zero-pad axis 1 (the sequence or slot axis) to `total`."""
+    extra = total - x.shape[1]
+    if extra == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, extra)
+    return jnp.pad(x, pad)
+
+
+def pad_row_bounds(raw_lo, core_lo, core_hi, total: int):
+    """Row bounds `[B, L]` padded to `total` rows.
+
+    Padded rows see only themselves (a zero key) and the last real row's slots: every value
+    they produce is finite and discarded, and the bounds stay non-decreasing along the row, as
+    `cca_jax.blocks` requires.
+    """
+    b, length = raw_lo.shape
+    extra = total - length
+    if extra == 0:
+        return raw_lo, core_lo, core_hi
+    own = jnp.broadcast_to(jnp.arange(length, total, dtype=raw_lo.dtype), (b, extra))
+    edge = lambda x: jnp.pad(x, ((0, 0), (0, extra)), mode="edge")  # noqa: E731
+    return jnp.concatenate([raw_lo, own], axis=1), edge(core_lo), edge(core_hi)
+
+
+def softmax_delta(dout: jax.Array, out: jax.Array) -> jax.Array:
+    """`rowsum(dO * O)` of the attention backward, float32 `[B, Hq, L]`."""
+    return jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
