@@ -1,13 +1,23 @@
-"""Which keys each query sees under CCA: the single source of the visibility arithmetic.
+"""Which keys each query sees, for every attention option: the single source of that arithmetic.
 
-SPEC section 2, with packed documents: a query at position `t` of a document that starts at
-`d` (`p = t - d` its position inside the document) sees
-  * raw keys `u` with  `d + g * n_core(p) <= u <= t`, and
-  * the core tokens of its own document with index `j < n_core(p)`.
-Core tokens of all documents of a row are stored back to back ("slots", ordered by position),
-so both visible sets are contiguous index ranges: raw `[raw_lo(t), t]`, core
-`[core_lo(t), core_hi(t))`. Without `segment_ids`: `raw_lo = g * n_core(t)`, `core_lo = 0`,
-`core_hi = n_core(t)`.
+An attention option is an `AttentionPattern`. Inside one document (a row, or a maximal run of
+equal `segment_ids` in a packed row), a query at in-document position `p` sees
+  * raw keys at in-document positions `raw_start(p) .. p`, and
+  * the first `num_slots(p)` *slots* of its document: slot `c` summarises the `slot_size`
+    tokens `[c * slot_size, (c + 1) * slot_size)` (pooled by `cca_jax.attention.pooling`).
+The options:
+  full       raw_start = 0, no slots.
+  sliding    raw_start = max(0, p - W + 1) (W keys including itself), no slots.
+  streaming  the sliding window plus the first N tokens (attention sinks) as slots of one
+             token each, for those sinks that have left the window.
+  cca        SPEC section 2: num_slots = n_core(p), raw_start = g * n_core(p), slots of g.
+Slots and the window never overlap and leave no gap, so every option is one softmax over two
+contiguous ranges.
+
+Slots of all documents of a row are stored back to back ("slots", ordered by position), so
+both visible sets are contiguous index ranges: raw `[raw_lo(t), t]`, slots
+`[core_lo(t), core_hi(t))`. Without `segment_ids`: `raw_lo = raw_start(t)`, `core_lo = 0`,
+`core_hi = num_slots(t)`.
 
 Everything here is plain integer arithmetic that works on Python ints, numpy and jnp arrays
 (traced or not). The XLA implementation, the Pallas kernels (GPU bounds, TPU prefetch tables)
@@ -16,7 +26,8 @@ and the KV cache all take their bounds from this module.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +55,7 @@ def num_pooled_groups(length: int, group_size: int, window_size: int) -> int:
 
 def visible_score_count(length: int, group_size: int, window_size: int) -> int:
     """Query-key scores per head CCA needs for one unpacked sequence (core + raw window)."""
-    t = np.arange(length, dtype=np.int64)
-    nc = n_core(t, group_size, window_size)
-    return int(np.sum(nc + (t - group_size * nc + 1)))
+    return cca_pattern(group_size, window_size).visible_scores(length)
 
 
 def _elementwise(python_fn, numpy_fn, jax_fn):
@@ -64,12 +73,121 @@ _maximum = _elementwise(max, np.maximum, jnp.maximum)
 _minimum = _elementwise(min, np.minimum, jnp.minimum)
 
 
+# ---- attention options ----------------------------------------------------------------------
+
+def _window_start(p, window: int):
+    return _maximum(p - window + 1, 0)
+
+
+class _Rules(NamedTuple):
+    """How one attention option sees the past, per in-document position `p`."""
+    raw_start: Callable      # (pattern, p) -> first visible raw position
+    num_slots: Callable      # (pattern, p) -> visible slots
+    slot_size: Callable      # pattern -> tokens per slot
+    max_slots: Callable      # (pattern, length, packed) -> static bound of slots per row
+
+
+def _cca_max_slots(pat, length, packed):
+    # Documents' groups never add up to more than one sequence's: sum (l_i - s) // g <= (L - s) // g.
+    return num_pooled_groups(length, pat.group_size, pat.window_size)
+
+
+def _streaming_max_slots(pat, length, packed):
+    w, n = pat.window_size, pat.sink_tokens
+    if not packed:
+        return max(0, min(n, length - w))
+    # Only documents longer than W have sinks outside their window, at most L // (W + 1) of
+    # them, and their slots add up to at most L - W.
+    return max(0, min(length - w, n * (length // (w + 1))))
+
+
+ATTENTION_KINDS: dict[str, _Rules] = {
+    "full": _Rules(raw_start=lambda pat, p: 0 * p,
+                   num_slots=lambda pat, p: 0 * p,
+                   slot_size=lambda pat: 1,
+                   max_slots=lambda pat, length, packed: 0),
+    "sliding": _Rules(raw_start=lambda pat, p: _window_start(p, pat.window_size),
+                      num_slots=lambda pat, p: 0 * p,
+                      slot_size=lambda pat: 1,
+                      max_slots=lambda pat, length, packed: 0),
+    "streaming": _Rules(raw_start=lambda pat, p: _window_start(p, pat.window_size),
+                        num_slots=lambda pat, p: _minimum(_window_start(p, pat.window_size),
+                                                          pat.sink_tokens),
+                        slot_size=lambda pat: 1,
+                        max_slots=_streaming_max_slots),
+    "cca": _Rules(raw_start=lambda pat, p: raw_start(p, pat.group_size, pat.window_size),
+                  num_slots=lambda pat, p: n_core(p, pat.group_size, pat.window_size),
+                  slot_size=lambda pat: pat.group_size,
+                  max_slots=_cca_max_slots),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPattern:
+    """Which keys a query sees: an attention option and its sizes (hashable, static).
+
+    kind: a key of `ATTENTION_KINDS`. group_size (`g`, cca), window_size (`s` for cca, `W`
+    for sliding and streaming), sink_tokens (`N`, streaming). Fields an option does not use
+    are ignored by it.
+    """
+
+    kind: str
+    group_size: int = 1
+    window_size: int = 1
+    sink_tokens: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}, "
+                             f"got {self.kind!r}.")
+        for name in ("group_size", "window_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if (isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int)
+                or self.sink_tokens < 0):
+            raise ValueError(f"sink_tokens must be a non-negative integer, "
+                             f"got {self.sink_tokens!r}.")
+
+    @property
+    def _rules(self) -> _Rules:
+        return ATTENTION_KINDS[self.kind]
+
+    def raw_start(self, p):
+        """First raw key (in-document position) visible to in-document position `p`."""
+        return self._rules.raw_start(self, p)
+
+    def num_slots(self, p):
+        """Slots `0 .. num_slots(p) - 1` of its document are visible to position `p`."""
+        return self._rules.num_slots(self, p)
+
+    @property
+    def slot_size(self) -> int:
+        """Tokens summarised by one slot (g for cca; 1 for streaming's sinks)."""
+        return self._rules.slot_size(self)
+
+    def max_slots(self, length: int, packed: bool = False) -> int:
+        """Slots a row of `length` needs (all documents together when `packed`)."""
+        return self._rules.max_slots(self, length, packed)
+
+    def visible_scores(self, length: int) -> int:
+        """Query-key scores per head for one unpacked sequence of `length`."""
+        t = np.arange(length, dtype=np.int64)
+        return int(np.sum(self.num_slots(t) + t - self.raw_start(t) + 1))
+
+
+def cca_pattern(group_size: int, window_size: int) -> AttentionPattern:
+    return AttentionPattern("cca", group_size=group_size, window_size=window_size)
+
+
+
+
 class RowRanges(NamedTuple):
-    """Per query row `[B, L]` int32 bounds, plus where each core slot's group starts.
+    """Per query row `[B, L]` int32 bounds, plus where each slot's tokens start.
 
     raw_lo, core_lo, core_hi: see the module docstring.
-    group_start: `[B, m]` first position of the group pooled into slot `c`, or None when
-    slots are the plain groups `[c*g, (c+1)*g)` (no segment_ids).
+    group_start: `[B, m]` first position of the tokens pooled into slot `c`, or None when
+    slots are the plain runs `[c * slot_size, (c + 1) * slot_size)` (no segment_ids).
     """
 
     raw_lo: jax.Array
@@ -78,54 +196,75 @@ class RowRanges(NamedTuple):
     group_start: jax.Array | None
 
 
-def row_ranges(length: int, group_size: int, window_size: int,
-               segment_ids: jax.Array | None = None) -> RowRanges:
-    """Visible raw and core ranges of every query row; see the module docstring."""
-    g, s = group_size, window_size
+def pattern_ranges(pattern: AttentionPattern, length: int,
+                   segment_ids: jax.Array | None = None) -> RowRanges:
+    """Visible raw and slot ranges of every query row under `pattern`."""
     t = jnp.arange(length, dtype=jnp.int32)
     if segment_ids is None:
-        nc = n_core(t, g, s)[None]
-        return RowRanges(g * nc, jnp.zeros_like(nc), nc, None)
+        nc = pattern.num_slots(t)[None]
+        return RowRanges(pattern.raw_start(t)[None], jnp.zeros_like(nc), nc, None)
 
+    size = pattern.slot_size
     seg = jnp.asarray(segment_ids)
     batch = seg.shape[0]
-    is_doc_start = jnp.concatenate(
-        [jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    doc_start = jax.lax.cummax(jnp.where(is_doc_start, t, 0), axis=1)
+    doc_start = document_starts(seg)
+    is_doc_start = doc_start == t
     doc_index = jnp.cumsum(is_doc_start, axis=1) - 1
     doc_len = jax.vmap(lambda idx: jax.ops.segment_sum(
         jnp.ones_like(idx), idx, num_segments=length))(doc_index)
     doc_len = jnp.take_along_axis(doc_len, doc_index, axis=1)
     pos = t - doc_start
-    nc = n_core(pos, g, s)
-    groups_in_doc = n_core(doc_len - 1, g, s)
-    # Slot ends: the last position of every pooled group of every document.
-    is_slot_end = ((pos + 1) % g == 0) & ((pos + 1) // g <= groups_in_doc)
+    nc = pattern.num_slots(pos)
+    slots_in_doc = pattern.num_slots(doc_len - 1)
+    # Slot ends: the last position of every slot some query of its document sees.
+    is_slot_end = ((pos + 1) % size == 0) & ((pos + 1) // size <= slots_in_doc)
     slots_through = jnp.cumsum(is_slot_end.astype(jnp.int32), axis=1)
     slots_before = slots_through - is_slot_end
     core_lo = jnp.take_along_axis(slots_before, doc_start, axis=1)
-    m = num_pooled_groups(length, g, s)
+    m = pattern.max_slots(length, packed=True)
     slot = jnp.where(is_slot_end, slots_through - 1, m)  # m: dropped by the scatter
-    # Unused slots point at group 0 of the row: finite values that no query ever sees.
+    # Unused slots point at position 0 of the row: finite values that no query ever sees.
     group_start = jnp.zeros((batch, m), jnp.int32).at[
-        jnp.arange(batch)[:, None], slot].set(t - g + 1, mode="drop")
-    return RowRanges(doc_start + g * nc, core_lo, core_lo + nc, group_start)
+        jnp.arange(batch)[:, None], slot].set(t - size + 1, mode="drop")
+    return RowRanges(doc_start + pattern.raw_start(pos), core_lo, core_lo + nc, group_start)
 
 
-def dense_visibility(length: int, group_size: int, window_size: int,
-                     segment_ids=None) -> tuple[np.ndarray, np.ndarray]:
-    """Boolean `[B, L, L]` raw mask and `[B, L, m]` core mask built from `row_ranges`.
+def row_ranges(length: int, group_size: int, window_size: int,
+               segment_ids: jax.Array | None = None) -> RowRanges:
+    """`pattern_ranges` for CCA with group `g` and window `s`."""
+    return pattern_ranges(cca_pattern(group_size, window_size), length, segment_ids)
+
+
+def document_starts(segment_ids) -> jax.Array:
+    """`[B, L]` -> `[B, L]`: the first position of each position's document, a document being
+    a maximal run of equal ids."""
+    seg = jnp.asarray(segment_ids)
+    t = jnp.arange(seg.shape[1], dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]],
+                               axis=1)
+    return jax.lax.cummax(jnp.where(is_start, t, 0), axis=1)
+
+
+def pattern_dense_visibility(pattern: AttentionPattern, length: int,
+                             segment_ids=None) -> tuple[np.ndarray, np.ndarray]:
+    """Boolean `[B, L, L]` raw mask and `[B, L, m]` slot mask built from `pattern_ranges`.
 
     For tests and the block tables' checks; O(L^2).
     """
     r = jax.tree.map(lambda x: None if x is None else np.asarray(x),
-                     row_ranges(length, group_size, window_size, segment_ids))
+                     pattern_ranges(pattern, length, segment_ids))
     t = np.arange(length)
-    m = num_pooled_groups(length, group_size, window_size)
+    m = pattern.max_slots(length, packed=segment_ids is not None)
     raw = (t[None, None, :] >= r.raw_lo[..., None]) & (t[None, None, :] <= t[None, :, None])
     j = np.arange(m)
     core = (j >= r.core_lo[..., None]) & (j < r.core_hi[..., None])
     return raw, core
+
+
+def dense_visibility(length: int, group_size: int, window_size: int,
+                     segment_ids=None) -> tuple[np.ndarray, np.ndarray]:
+    """`pattern_dense_visibility` for CCA (slot count: `num_pooled_groups`)."""
+    return pattern_dense_visibility(cca_pattern(group_size, window_size), length, segment_ids)
 
 
 # ---- Block-level bounds ------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 `LlamaConfig` is a frozen dataclass built from a HF `config.json` (LLaMA 2/3, Qwen2,
 LLaMA-compatible Mistral) plus our runtime settings (dtypes, which attention, remat) and
-the CCA settings (`CCAConfig`). CLI flags map onto these fields; nothing else in the project
+the attention settings (`AttentionConfig`). CLI flags map onto these fields; nothing else in the project
 parses HF keys or branches on model names.
 """
 
@@ -13,17 +13,31 @@ import json
 import os
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
 
-POOLINGS = ("cca", "mean", "max")
-IMPLEMENTATIONS = ("auto", "naive", "xla", "pallas_gpu", "pallas_tpu")
-ATTENTIONS = ("full", "cca")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-REMAT_POLICIES = ("none", "full", "save_dots")
-DTYPES = ("float32", "bfloat16", "float16")
+from cca_jax.attention import IMPLEMENTATION_CHOICES
+from cca_jax.attention.pooling import POOLING_FNS
+from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern
+from cca_jax.rope import INV_FREQ_FNS
+
+# Remat policies by name (None: no remat); `model.py` applies them.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 # Key under which our CCA settings are recorded inside a HF config.json.
 CCA_CONFIG_KEY = "cca_attention"
+
+# What transformers assumes for HF keys a config.json may leave out, per family.
+_FAMILY_HF_KEY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+}
 
 # Per-family facts of the HF config format (values implied by `model_type`, not present as
 # keys). This table is the only place a model family name changes anything.
@@ -56,30 +70,59 @@ def _positive_int(name: str, value: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CCAConfig:
-    """Settings of Core Context Aware attention (see SPEC.md).
+class AttentionConfig:
+    """Which attention the model runs, and its settings (SPEC.md, "the other attention options").
 
-    group_size: tokens pooled into one core token (`g`). window_size: raw local window (`s`).
-    pooling: "cca" (query-weighted, the paper's), "mean" or "max" (ablations).
-    implementation: "auto" picks the fastest available for the backend; "naive" is the dense
-    reference (tests, small L); "xla" is blocked and memory-linear on any backend.
+    kind: "cca" (the default), "full" (causal), "sliding" (the last `window_size` keys) or
+    "streaming" (StreamingLLM: `sink_tokens` first tokens plus the sliding window).
+    group_size: tokens pooled into one core token (`g`, cca). window_size: the raw local window
+    (`s` for cca, `W` for sliding and streaming). sink_tokens: streaming's sinks (`N`).
+    pooling (cca): "cca" (query-weighted, the paper's), "mean" or "max" (ablations).
+    implementation: "auto" picks the fastest available for the backend and call; "naive" is
+    the dense reference (tests, small L); "xla" is blocked and memory-linear on any backend.
     """
 
+    kind: str = "cca"
     group_size: int = 16
     window_size: int = 1024
+    sink_tokens: int = 4
     pooling: str = "cca"
     implementation: str = "auto"
 
     def __post_init__(self):
-        _positive_int("group_size", self.group_size)
-        _positive_int("window_size", self.window_size)
-        _require(self.pooling in POOLINGS,
-                 f"pooling must be one of {POOLINGS}, got {self.pooling!r}.")
-        _require(self.implementation in IMPLEMENTATIONS,
-                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}.")
+        self.pattern  # validates kind and sizes  # noqa: B018
+        _require(self.pooling in tuple(POOLING_FNS),
+                 f"pooling must be one of {tuple(POOLING_FNS)}, got {self.pooling!r}.")
+        _require(self.implementation in IMPLEMENTATION_CHOICES,
+                 f"implementation must be one of {IMPLEMENTATION_CHOICES}, "
+                 f"got {self.implementation!r}.")
+
+    @property
+    def pattern(self) -> AttentionPattern:
+        """Which keys a query sees (`cca_jax.blocks`)."""
+        return AttentionPattern(self.kind, group_size=self.group_size,
+                                window_size=self.window_size, sink_tokens=self.sink_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+ATTENTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
+
+
+def _attention_config(value, base: AttentionConfig | None = None) -> AttentionConfig:
+    """An AttentionConfig from an AttentionConfig, a kind name or a dict of its fields."""
+    if isinstance(value, AttentionConfig):
+        return value
+    base = base or AttentionConfig()
+    if isinstance(value, str):
+        return dataclasses.replace(base, kind=value)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(ATTENTION_FIELDS))
+        _require(not unknown, f"unknown attention settings {unknown}; known: {ATTENTION_FIELDS}.")
+        return dataclasses.replace(base, **value)
+    raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}, an AttentionConfig "
+                     f"or a dict of its fields, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +144,9 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        _require(self.rope_type in ROPE_TYPES,
-                 f"rope type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}.")
+        _require(self.rope_type in INV_FREQ_FNS,
+                 f"rope type {self.rope_type!r} is not supported; supported: "
+                 f"{tuple(INV_FREQ_FNS)}.")
         _require(self.factor > 0, f"rope scaling factor must be > 0, got {self.factor}.")
         if self.rope_type == "llama3":
             _require(self.original_max_position_embeddings is not None,
@@ -140,9 +184,12 @@ class RopeScaling:
 class LlamaConfig:
     """A LLaMA-family decoder plus how to run it.
 
-    The architecture fields follow HF's names. `attention` swaps the attention core
-    ("full" causal attention, or "cca"); `cca` holds its settings. Weights are `param_dtype`,
-    activations `dtype`; norms, softmax and logits are always float32.
+    The architecture fields follow HF's names. `attention` (an `AttentionConfig`; a kind name
+    or a dict of its fields is accepted) swaps the attention core. `sliding_window` is the
+    checkpoint's own window when its config.json sets one (Mistral v0.1, Qwen2 with
+    use_sliding_window): such a model runs `sliding` attention by default, and refuses `full`
+    attention over more tokens than the window. Weights are `param_dtype`, activations
+    `dtype`; norms, softmax and logits are always float32.
     """
 
     vocab_size: int = 32000
@@ -165,9 +212,9 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    sliding_window: int | None = None   # the checkpoint's own attention window, if any
     # How to run it.
-    attention: str = "cca"
-    cca: CCAConfig = dataclasses.field(default_factory=CCAConfig)
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
     dtype: str = "bfloat16"
     param_dtype: str = "bfloat16"
     remat: str = "none"
@@ -187,8 +234,9 @@ class LlamaConfig:
             object.__setattr__(self, "qkv_bias", self.attention_bias)
         if isinstance(self.rope_scaling, Mapping) or self.rope_scaling is None:
             object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
-        if isinstance(self.cca, Mapping):
-            object.__setattr__(self, "cca", CCAConfig(**self.cca))
+        object.__setattr__(self, "attention", _attention_config(self.attention))
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
@@ -199,13 +247,11 @@ class LlamaConfig:
         _require(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}.")
         _require(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}.")
         _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}.")
-        _require(self.attention in ATTENTIONS,
-                 f"attention must be one of {ATTENTIONS}, got {self.attention!r}.")
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        _require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}.")
         _require(self.param_dtype in DTYPES,
-                 f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}.")
+                 f"param_dtype must be one of {tuple(DTYPES)}, got {self.param_dtype!r}.")
         _require(self.remat in REMAT_POLICIES,
-                 f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+                 f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}.")
         _require(self.model_type in _FAMILY_DEFAULTS,
                  f"model_type must be one of {sorted(_FAMILY_DEFAULTS)}, got {self.model_type!r}.")
 
@@ -224,11 +270,23 @@ class LlamaConfig:
         return jnp.dtype(self.param_dtype)
 
     def replace(self, **changes) -> "LlamaConfig":
-        """A copy with fields changed; `cca_*` keys (e.g. cca_group_size) change `cca`."""
-        cca_changes = {k[4:]: changes.pop(k) for k in list(changes) if k.startswith("cca_")}
-        if cca_changes:
-            changes["cca"] = dataclasses.replace(self.cca, **cca_changes)
-        return dataclasses.replace(self, **changes)
+        """A copy with fields changed (the flat form every CLI and `from_pretrained` use).
+
+        `attention` may be a kind name ("sliding") that keeps the other attention settings;
+        the fields of `AttentionConfig` (group_size, window_size, sink_tokens, pooling,
+        implementation) may be given directly.
+        """
+        return dataclasses.replace(self, **_route_attention(self.attention, changes))
+
+    def check_length(self, length: int) -> None:
+        """Refuse a sequence this model cannot run as configured (clear error before compute)."""
+        if (self.attention.kind == "full" and self.sliding_window is not None
+                and length > self.sliding_window):
+            raise ValueError(
+                f"This checkpoint attends over a sliding window of {self.sliding_window} tokens "
+                f"(sliding_window in its config.json); full attention over {length} tokens is "
+                "not what it computes. Use attention='sliding' (its default), or pass "
+                "sliding_window=None to run full attention anyway.")
 
     # ---- Hugging Face config.json --------------------------------------------------------
     @classmethod
@@ -240,11 +298,6 @@ class LlamaConfig:
             raise ValueError(
                 f"Unsupported architecture: model_type={model_type!r} (architectures={archs}). "
                 f"Supported model_type values: {sorted(_FAMILY_DEFAULTS)}.")
-        if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
-            raise ValueError(
-                f"This {model_type} config uses sliding-window attention "
-                f"(sliding_window={hf.get('sliding_window')}), which is not LLaMA-compatible. "
-                "Set sliding_window to null (or use_sliding_window to false) to convert it.")
         act = hf.get("hidden_act", "silu")
         _require(act == "silu", f"hidden_act {act!r} is not supported (only 'silu').")
         values = dict(_FAMILY_DEFAULTS[model_type], model_type=model_type)
@@ -263,12 +316,14 @@ class LlamaConfig:
         theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
         values["rope_theta"] = float(theta)
         values["rope_scaling"] = RopeScaling.from_hf(rope)
-        if CCA_CONFIG_KEY in hf:
-            values["cca"] = CCAConfig(**hf[CCA_CONFIG_KEY])
-        cca_overrides = {k[4:]: overrides.pop(k) for k in list(overrides) if k.startswith("cca_")}
-        if cca_overrides:
-            values["cca"] = dataclasses.replace(values.get("cca", CCAConfig()), **cca_overrides)
-        values.update(overrides)
+        values["sliding_window"] = _hf_sliding_window(hf, model_type)
+        if CCA_CONFIG_KEY in hf:     # our own export: the attention it was saved with
+            attention = _attention_config(hf[CCA_CONFIG_KEY])
+        elif values["sliding_window"] is not None:   # behave as transformers does
+            attention = AttentionConfig(kind="sliding", window_size=values["sliding_window"])
+        else:
+            attention = AttentionConfig()
+        values.update(_route_attention(attention, overrides))
         return cls(**values)
 
     @classmethod
@@ -330,9 +385,60 @@ class LlamaConfig:
                              else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
             "dtype": self.param_dtype,
-            CCA_CONFIG_KEY: self.cca.to_dict(),
+            CCA_CONFIG_KEY: self.attention.to_dict(),
         }
         out["model_type"] = model_type
         out.update(_FAMILY_HF_EXPORT[model_type])
+        if self.sliding_window is not None:
+            _require(model_type in _SLIDING_WINDOW_EXPORT,
+                     f"model_type {model_type!r} cannot express sliding_window="
+                     f"{self.sliding_window}; export as one of {sorted(_SLIDING_WINDOW_EXPORT)}.")
+            out.update(_SLIDING_WINDOW_EXPORT[model_type](self.sliding_window))
         return out
+
+
+def _route_attention(attention: AttentionConfig, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat overrides -> LlamaConfig fields: attention settings go into `attention`."""
+    changes = dict(changes)
+    new = changes.pop("attention", None)
+    attention = attention if new is None else _attention_config(new, attention)
+    flat = {k: changes.pop(k) for k in list(changes) if k in ATTENTION_FIELDS and k != "kind"}
+    changes["attention"] = dataclasses.replace(attention, **flat)
+    return changes
+
+
+def _hf_sliding_window(hf: Mapping[str, Any], model_type: str) -> int | None:
+    """The attention window transformers applies to every layer of this config, or None.
+
+    Raises when layers differ (Qwen2 with max_window_layers inside the stack): one model here
+    runs one attention option in every layer.
+    """
+    keys = {**_FAMILY_HF_KEY_DEFAULTS[model_type], **{k: v for k, v in hf.items()}}
+    window = keys.get("sliding_window")
+    if model_type == "qwen2" and not keys.get("use_sliding_window"):
+        window = None
+    if model_type == "llama" or window is None:
+        return None
+    layers = hf.get("num_hidden_layers", 1)
+    types = hf.get("layer_types")
+    if types is None:
+        first_sliding = keys.get("max_window_layers", 0) if model_type == "qwen2" else 0
+        types = ["full_attention" if i < first_sliding else "sliding_attention"
+                 for i in range(layers)]
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return None
+    _require(kinds == {"sliding_attention"},
+             f"This {model_type} config mixes sliding and full attention across layers "
+             f"({types.count('sliding_attention')} of {len(types)} sliding); cca-jax runs one "
+             "attention option in every layer. Set use_sliding_window to false (or "
+             "sliding_window to null) in config.json to load it with full attention.")
+    return int(window)
+
+
+# How each family writes a sliding window into config.json.
+_SLIDING_WINDOW_EXPORT = {
+    "mistral": lambda w: {"sliding_window": w},
+    "qwen2": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
+}
 

@@ -1,4 +1,4 @@
-"""A LLaMA-family decoder in Flax NNX whose attention core is swappable (`full` / `cca`).
+"""A LLaMA-family decoder in Flax NNX whose attention is swappable (full / cca / sliding / streaming).
 
 embed -> [scan over layers: RMSNorm -> attention -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> logits
 
@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from cca_jax.attention import cca_attention
-from cca_jax.config import LlamaConfig
+from cca_jax.attention import run_attention
+from cca_jax.config import REMAT_POLICIES, LlamaConfig
 from cca_jax.rope import apply_rope, rope_cos_sin
-
-_REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 def _init(std: float = 0.02):
@@ -46,24 +42,6 @@ def _linear(cfg: LlamaConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs)
                       param_dtype=cfg.jnp_param_dtype, kernel_init=_init(), rngs=rngs)
 
 
-def full_attention(q, k, v, segment_ids, cfg: LlamaConfig):
-    """Causal softmax attention (cuDNN on GPU where it applies, XLA elsewhere)."""
-    mask = None
-    if segment_ids is not None:
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
-
-
-def cca_core(q, k, v, segment_ids, cfg: LlamaConfig):
-    c = cfg.cca
-    return cca_attention(q, k, v, group_size=c.group_size, window_size=c.window_size,
-                         pooling=c.pooling, implementation=c.implementation,
-                         segment_ids=segment_ids)
-
-
-ATTENTION_CORES = {"full": full_attention, "cca": cca_core}
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -80,7 +58,9 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ATTENTION_CORES[cfg.attention](q, k, v, segment_ids, cfg)
+        a = cfg.attention
+        out = run_attention(q, k, v, a.pattern, pooling=a.pooling,
+                            implementation=a.implementation, segment_ids=segment_ids)
         return self.o_proj(out.reshape(b, length, -1))
 
 
@@ -133,7 +113,7 @@ class LlamaForCausalLM(nnx.Module):
     def hidden_states(self, input_ids, segment_ids=None, positions=None):
         """Final normed hidden states `[B, L, hidden]` in `dtype`."""
         cfg = self.config
-        _check_ids(input_ids, segment_ids, positions)
+        _check_ids(input_ids, segment_ids, positions, cfg)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         cos, sin = rope_cos_sin(positions, cfg)
@@ -144,8 +124,8 @@ class LlamaForCausalLM(nnx.Module):
             layer = nnx.merge(graphdef, layer_state)
             return layer(x, cos, sin, segment_ids), None
 
-        if cfg.remat != "none":
-            layer_step = jax.checkpoint(layer_step, policy=_REMAT_POLICIES[cfg.remat])
+        if REMAT_POLICIES[cfg.remat] is not None:
+            layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[cfg.remat])
         if cfg.scan_layers:
             x, _ = jax.lax.scan(layer_step, x, stacked)
         else:
@@ -169,12 +149,39 @@ class LlamaForCausalLM(nnx.Module):
         return self.logits(hidden)
 
 
-def _check_ids(input_ids, segment_ids, positions) -> None:
+def _check_ids(input_ids, segment_ids, positions, cfg: LlamaConfig) -> None:
+    """Clear errors for bad inputs before any compute.
+
+    Shapes and the length are checked always. Token id values are checked only when they are
+    concrete (eager calls); inside `jit` they cannot be: an id >= vocab_size then gives NaN
+    logits and a negative id wraps around, as in `jnp.take`.
+    """
     if getattr(input_ids, "ndim", None) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise ValueError(
-            f"input_ids must be integer [batch, seq], got {getattr(input_ids, 'shape', None)} "
-            f"{getattr(input_ids, 'dtype', None)}.")
+            f"input_ids must be an integer array [batch, seq] (jnp/np array, not a "
+            f"{type(input_ids).__name__}), got shape {getattr(input_ids, 'shape', None)} "
+            f"dtype {getattr(input_ids, 'dtype', None)}.")
     for name, x in (("segment_ids", segment_ids), ("positions", positions)):
         if x is not None and getattr(x, "shape", None) != input_ids.shape:
             raise ValueError(f"{name} must have the shape of input_ids {input_ids.shape}, "
                              f"got {getattr(x, 'shape', None)}.")
+    length = input_ids.shape[1]
+    cfg.check_length(length)
+    longest = length if positions is None else _concrete_max(positions)
+    if longest is not None and longest > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{longest} positions exceed max_position_embeddings={cfg.max_position_embeddings}."
+            " To run longer contexts, raise max_position_embeddings in the config (usually with "
+            "a larger rope_theta or a rope scaling, as long-context fine-tuning does).")
+    if not isinstance(input_ids, jax.core.Tracer):
+        ids = np.asarray(input_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size), got min {ids.min()} "
+                f"max {ids.max()}: is the tokenizer the checkpoint's own?")
+
+
+def _concrete_max(positions) -> int | None:
+    if isinstance(positions, jax.core.Tracer):
+        return None
+    return int(np.max(np.asarray(positions))) + 1 if np.size(positions) else 0

@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cca_jax.config import LlamaConfig, RopeScaling
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config validates rope types against INV_FREQ_FNS, so it imports us
+    from cca_jax.config import LlamaConfig, RopeScaling
 
 
 def _base_inv_freq(base, dim: int):
@@ -70,7 +73,7 @@ def _yarn(cfg: LlamaConfig, sc: RopeScaling, seq_len):
     return jnp.asarray(inv.astype(np.float32))
 
 
-_INV_FREQ = {"default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3,
+INV_FREQ_FNS = {"default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3,
              "yarn": _yarn}
 
 
@@ -92,7 +95,7 @@ def attention_scaling(sc: RopeScaling) -> float:
 def inverse_frequencies(cfg: LlamaConfig, seq_len=None) -> jax.Array:
     """`[head_dim / 2]` float32; `seq_len` (longest position + 1) matters for "dynamic" only."""
     seq_len = cfg.max_position_embeddings if seq_len is None else seq_len
-    return _INV_FREQ[cfg.rope_scaling.rope_type](cfg, cfg.rope_scaling, seq_len)
+    return INV_FREQ_FNS[cfg.rope_scaling.rope_type](cfg, cfg.rope_scaling, seq_len)
 
 
 def rope_cos_sin(positions: jax.Array, cfg: LlamaConfig):

@@ -1,10 +1,10 @@
-"""LlamaConfig / CCAConfig: loading HF config.json files and rejecting bad values."""
+"""LlamaConfig / AttentionConfig: loading HF config.json files and rejecting bad values."""
 
 import json
 
 import pytest
 
-from cca_jax.config import CCA_CONFIG_KEY, CCAConfig, LlamaConfig
+from cca_jax.config import CCA_CONFIG_KEY, AttentionConfig, LlamaConfig
 
 LLAMA2 = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
           "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -25,8 +25,8 @@ QWEN25 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
 def test_llama2():
     c = LlamaConfig.from_hf_dict(LLAMA2)
     assert (c.head_dim, c.num_groups, c.rope_scaling.rope_type) == (128, 1, "default")
-    assert c.cca == CCAConfig() and (c.cca.group_size, c.cca.window_size) == (16, 1024)
-    assert c.attention == "cca" and c.dtype == "bfloat16"
+    assert c.attention == AttentionConfig() and (c.attention.group_size, c.attention.window_size) == (16, 1024)
+    assert c.attention.kind == "cca" and c.dtype == "bfloat16"
 
 
 def test_llama31_rope_scaling_and_theta_kept():
@@ -50,8 +50,8 @@ def test_qwen2_biases_and_tied_embeddings():
 
 
 def test_overrides_and_cca_settings_round_trip(tmp_path):
-    c = LlamaConfig.from_hf_dict(LLAMA31, attention="full", cca_group_size=8, dtype="float32")
-    assert (c.attention, c.cca.group_size, c.dtype) == ("full", 8, "float32")
+    c = LlamaConfig.from_hf_dict(LLAMA31, attention="full", group_size=8, dtype="float32")
+    assert (c.attention.kind, c.attention.group_size, c.dtype) == ("full", 8, "float32")
     hf = c.to_hf_dict()
     assert hf[CCA_CONFIG_KEY]["group_size"] == 8
     (tmp_path / "config.json").write_text(json.dumps(hf))
@@ -65,7 +65,8 @@ def test_overrides_and_cca_settings_round_trip(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "not supported"),
     ({"num_hidden_layers": 0}, "num_hidden_layers"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 16}, "mixes sliding and full"),
 ])
 def test_bad_hf_configs(change, match):
     with pytest.raises(ValueError, match=match):
@@ -80,7 +81,7 @@ def test_bad_hf_configs(change, match):
 ])
 def test_bad_cca_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CCAConfig(**kwargs)
+        AttentionConfig(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -107,3 +108,45 @@ def test_special_token_ids_survive_a_round_trip():
     out = c.to_hf_dict()
     assert (out["bos_token_id"], out["eos_token_id"]) == (128000, [128001, 128008, 128009])
     assert LlamaConfig.from_hf_dict(out) == c
+
+
+def test_sliding_window_checkpoints_default_to_sliding_attention():
+    """Mistral v0.1 (sliding_window 4096) and Qwen2 with use_sliding_window in every layer run
+    as transformers runs them; an absent Mistral key means transformers' default 4096."""
+    mistral = LlamaConfig.from_hf_dict({**LLAMA2, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.sliding_window == 4096
+    assert (mistral.attention.kind, mistral.attention.window_size) == ("sliding", 4096)
+    absent = {k: v for k, v in LLAMA2.items()}
+    assert LlamaConfig.from_hf_dict({**absent, "model_type": "mistral"}).sliding_window == 4096
+    off = LlamaConfig.from_hf_dict({**LLAMA2, "model_type": "mistral", "sliding_window": None})
+    assert off.sliding_window is None and off.attention.kind == "cca"
+    qwen = LlamaConfig.from_hf_dict({**QWEN25, "use_sliding_window": True, "sliding_window": 512,
+                                     "max_window_layers": 0})
+    assert (qwen.attention.kind, qwen.attention.window_size) == ("sliding", 512)
+    assert LlamaConfig.from_hf_dict(QWEN25).sliding_window is None   # use_sliding_window false
+    # Our export keeps the window, and a re-import gives the same config.
+    for c in (mistral, qwen):
+        assert LlamaConfig.from_hf_dict(c.to_hf_dict()) == c
+    with pytest.raises(ValueError, match="cannot express sliding_window"):
+        mistral.to_hf_dict(model_type="llama")
+
+
+def test_full_attention_beyond_the_checkpoints_window_is_refused():
+    c = LlamaConfig.from_hf_dict({**LLAMA2, "model_type": "mistral", "sliding_window": 64},
+                                 attention="full")
+    c.check_length(64)
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        c.check_length(65)
+    c.replace(sliding_window=None).check_length(65)
+
+
+def test_attention_overrides_are_flat_and_keep_other_settings():
+    c = LlamaConfig.from_hf_dict(LLAMA2, group_size=8, window_size=256)
+    s = c.replace(attention="streaming", sink_tokens=2)
+    assert (s.attention.kind, s.attention.window_size, s.attention.sink_tokens) == (
+        "streaming", 256, 2)
+    assert s.attention.pattern.max_slots(1000) == 2
+    with pytest.raises(ValueError, match="unknown attention settings"):
+        LlamaConfig(attention={"kind": "cca", "groups": 3})
+    with pytest.raises(ValueError, match="sink_tokens"):
+        c.replace(sink_tokens=-1)

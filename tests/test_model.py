@@ -10,9 +10,10 @@ from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
 
 TINY = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, attention="cca",
+                   num_attention_heads=4, num_key_value_heads=2, 
                    dtype="float32", param_dtype="float32",
-                   cca={"group_size": 4, "window_size": 8, "implementation": "xla"})
+                   attention={"kind": "cca", "group_size": 4, "window_size": 8,
+                              "implementation": "xla"})
 
 
 def build(cfg=TINY, seed=0):
@@ -38,8 +39,8 @@ def test_logits_shape_dtype_and_last_only():
     np.testing.assert_allclose(model(x, last_only=True)[:, 0], logits[:, -1], atol=1e-5)
 
 
-@pytest.mark.parametrize("change", [dict(cca_group_size=1), dict(cca_window_size=40),
-                                    dict(cca_window_size=64)])
+@pytest.mark.parametrize("change", [dict(group_size=1), dict(window_size=40),
+                                    dict(window_size=64)])
 def test_cca_reduces_to_full_attention(change):
     """SPEC properties 1 and 2 at the model level."""
     model = build(TINY.replace(**change))
@@ -129,7 +130,7 @@ def test_bad_inputs(bad, match):
 def test_cca_training_step_at_32k_is_memory_linear():
     """Forward+backward of a tiny CCA model at L = 32768 on CPU; memory linear in L."""
     cfg = TINY.replace(num_hidden_layers=2, vocab_size=256, remat="full",
-                       cca_group_size=16, cca_window_size=256)
+                       group_size=16, window_size=256, max_position_embeddings=32768)
     model = build(cfg)
     graphdef, params = nnx.split(model)
 

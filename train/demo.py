@@ -1,6 +1,6 @@
 """The built-in demo: a few CCA training steps of a tiny random LLaMA, then a generation.
 
-    python -m train.demo [--steps 150] [--seq-len 128] [--attention cca|full]
+    python -m train.demo [--steps 150] [--seq-len 128] [--attention cca|full|sliding|streaming]
 
 Runs on CPU in about a minute with no downloads: byte-level tokens of a built-in text, a
 2-layer LLaMA whose attention is CCA (group 4, window 16, so that core tokens are really used
@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from cca_jax.blocks import ATTENTION_KINDS
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
 
@@ -41,9 +42,9 @@ of the group's last token, which has already read all of them.
 def tiny_config(attention: str) -> LlamaConfig:
     return LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=1024, attention=attention,
-                       dtype="float32", param_dtype="float32",
-                       cca={"group_size": 4, "window_size": 16, "implementation": "xla"})
+                       max_position_embeddings=1024, dtype="float32", param_dtype="float32",
+                       attention={"kind": attention, "group_size": 4, "window_size": 16,
+                                  "implementation": "xla"})
 
 
 def batches(data: np.ndarray, batch: int, seq_len: int, seed: int):
@@ -96,14 +97,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--attention", choices=["cca", "full"], default="cca")
+    ap.add_argument("--attention", choices=sorted(ATTENTION_KINDS), default="cca")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     cfg = tiny_config(args.attention)
     print(f"jax {jax.__version__} on {jax.default_backend()}; model: {cfg.num_hidden_layers} "
-          f"layers, hidden {cfg.hidden_size}, attention={cfg.attention} "
-          f"(g={cfg.cca.group_size}, s={cfg.cca.window_size}), seq_len={args.seq_len}")
+          f"layers, hidden {cfg.hidden_size}, attention={cfg.attention.kind} "
+          f"(g={cfg.attention.group_size}, s={cfg.attention.window_size}), seq_len={args.seq_len}")
     data = np.frombuffer(TEXT.encode(), np.uint8)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)

@@ -1,76 +1,130 @@
-"""The public CCA attention and its dispatch to implementations.
+"""The public attention entry points and their dispatch to implementations.
 
-`cca_attention` validates its inputs, picks an implementation and returns `[B, L, Hq, D]` in
-the input dtype. Implementations:
-  naive       dense L x L masks (tests, small L)
-  xla         blocked, memory-linear, any backend (the baseline)
-  pallas_gpu  Pallas kernels through the Triton lowering (interpret mode on CPU)
-  pallas_tpu  Pallas kernels through Mosaic (interpret mode on CPU)
+`run_attention(q, k, v, pattern, ...)` runs any attention option (`blocks.AttentionPattern`:
+full, sliding, streaming, cca); `cca_attention(q, k, v, group_size=, window_size=, ...)` is
+its CCA form. Both validate their inputs, pick an implementation and return `[B, L, Hq, D]`
+in the input dtype. Implementations (`IMPLEMENTATIONS`, the one registry of their names):
+  naive       dense L x L masks (tests, small L), every option
+  xla         blocked, memory-linear, any backend, every option
+  pallas_gpu  Pallas kernels through the Triton lowering (interpret mode on CPU), every option
+  cudnn       `jax.nn.dot_product_attention` through cuDNN: full and sliding, unpacked rows
+  pallas_tpu  Pallas kernels through Mosaic (not yet available)
+"auto" picks, per call, the fastest one that takes the call (`resolve_implementation`); it
+never picks `naive`, so no L x L array is built unless asked for.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from cca_jax.attention.naive import cca_attention_naive
-from cca_jax.attention.pooling import pool_core_tokens
-from cca_jax.attention.xla import cca_attention_xla
-from cca_jax.config import IMPLEMENTATIONS, POOLINGS
+from cca_jax.attention.naive import attention_naive, cca_attention_naive
+from cca_jax.attention.pooling import POOLING_FNS, pool_core_tokens, slots_and_bounds
+from cca_jax.attention.xla import attention_xla, cca_attention_xla
+from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, cca_pattern
 
-__all__ = ["cca_attention", "cca_attention_naive", "cca_attention_xla", "pool_core_tokens",
-           "resolve_implementation"]
+__all__ = ["run_attention", "cca_attention", "attention_naive", "attention_xla",
+           "cca_attention_naive", "cca_attention_xla", "pool_core_tokens",
+           "resolve_implementation", "IMPLEMENTATIONS", "AttentionPattern"]
 
+_log = logging.getLogger(__name__)
 
-def _not_yet(name: str, issue_hint: str) -> Callable:
-    def run(*args, **kwargs):
-        raise NotImplementedError(
-            f"implementation={name!r} is not available yet ({issue_hint}). "
-            "Use implementation='xla' (any backend) or 'auto'.")
-    return run
+# The dense path refuses lengths where its L x L float32 masks and logits would not fit.
+NAIVE_MAX_LEN = 16384
 
 
-def _pallas_gpu(q, k, v, **kwargs):
+def _naive(q, k, v, pattern, *, pooling, segment_ids):
+    if q.shape[1] > NAIVE_MAX_LEN:
+        raise ValueError(
+            f"implementation='naive' builds L x L arrays; L={q.shape[1]} is over its limit of "
+            f"{NAIVE_MAX_LEN}. Use implementation='xla' or 'auto' (memory-linear).")
+    return attention_naive(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
+
+
+def _xla(q, k, v, pattern, *, pooling, segment_ids):
+    return attention_xla(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
+
+
+def _pallas_gpu(q, k, v, pattern, *, pooling, segment_ids):
     backend = jax.default_backend()
     if backend not in ("gpu", "cuda", "cpu"):
         raise ValueError(
             f"implementation='pallas_gpu' runs on NVIDIA GPUs (or in interpret mode on CPU), "
             f"not on the {backend!r} backend; use implementation='auto' or 'xla'.")
-    from pallas_kernels.gpu import cca_attention_pallas_gpu  # lazy: kernels import this package
-    return cca_attention_pallas_gpu(q, k, v, **kwargs)
+    from pallas_kernels.gpu import blocked_attention_pallas_gpu  # lazy: kernels import us
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
+                                       segment_ids=segment_ids)
+    return blocked_attention_pallas_gpu(q, k, v, ck, cv, *bounds)
 
 
-_IMPLEMENTATIONS: dict[str, Callable] = {
-    "naive": cca_attention_naive,
-    "xla": cca_attention_xla,
-    "pallas_gpu": _pallas_gpu,
-    "pallas_tpu": _not_yet("pallas_tpu", "the Pallas TPU kernels are being written"),
-}
-
-# What "auto" means on each backend: the fastest implementation that exists there.
-# ("pallas_gpu" needs head_dim 64 or 128; `cca_attention` falls back to "xla" otherwise.)
-_AUTO_BY_BACKEND = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "xla",
-                    "tpu": "xla"}
-_PALLAS_GPU_HEAD_DIMS = (64, 128)
-
-
-def resolve_implementation(implementation: str, backend: str | None = None) -> str:
-    """The implementation `cca_attention` will run for `implementation` on `backend`."""
-    if implementation not in IMPLEMENTATIONS:
+def _cudnn(q, k, v, pattern, *, pooling, segment_ids):
+    if jax.default_backend() not in ("gpu", "cuda"):
         raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+            f"implementation='cudnn' needs an NVIDIA GPU, not the {jax.default_backend()!r} "
+            "backend; use implementation='auto' or 'xla'.")
+    if segment_ids is not None:
+        raise ValueError(
+            "implementation='cudnn' takes no segment_ids (packed rows); use 'pallas_gpu' or "
+            "'auto', which routes packed rows to the Pallas kernels.")
+    window = None if pattern.kind == "full" else (pattern.window_size - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
+                                        implementation="cudnn")
+
+
+def _pallas_tpu(q, k, v, pattern, *, pooling, segment_ids):
+    raise NotImplementedError(
+        "implementation='pallas_tpu' is not available yet (the Pallas TPU kernels are being "
+        "written). Use implementation='xla' (any backend) or 'auto'.")
+
+
+class Implementation(NamedTuple):
+    run: Callable
+    kinds: frozenset[str]   # attention options it computes
+
+
+_ALL_KINDS = frozenset(ATTENTION_KINDS)
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "naive": Implementation(_naive, _ALL_KINDS),
+    "xla": Implementation(_xla, _ALL_KINDS),
+    "pallas_gpu": Implementation(_pallas_gpu, _ALL_KINDS),
+    "cudnn": Implementation(_cudnn, frozenset({"full", "sliding"})),
+    "pallas_tpu": Implementation(_pallas_tpu, _ALL_KINDS),
+}
+IMPLEMENTATION_CHOICES = ("auto", *IMPLEMENTATIONS)
+
+_PALLAS_GPU_HEAD_DIMS = (64, 128)
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def resolve_implementation(implementation: str, backend: str | None = None, *,
+                           pattern: AttentionPattern | None = None, head_dim: int = 128,
+                           dtype=jnp.bfloat16, packed: bool = False) -> str:
+    """The implementation `run_attention` runs for this request on `backend`.
+
+    "auto": on NVIDIA GPUs, cuDNN for full and sliding attention on unpacked rows in
+    bf16/fp16, else the Pallas kernels where the head dim is 64 or 128; `xla` elsewhere.
+    """
+    if implementation not in IMPLEMENTATION_CHOICES:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATION_CHOICES}, got {implementation!r}.")
+    kind = "cca" if pattern is None else pattern.kind
     if implementation != "auto":
+        if kind not in IMPLEMENTATIONS[implementation].kinds:
+            raise ValueError(
+                f"implementation={implementation!r} does not compute attention={kind!r}; it "
+                f"takes {sorted(IMPLEMENTATIONS[implementation].kinds)}. Use 'auto' or 'xla'.")
         return implementation
     backend = backend or jax.default_backend()
-    return _AUTO_BY_BACKEND.get(backend, "xla")
-
-
-def _static_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive Python int, got {value!r}.")
-    return value
+    if backend in ("gpu", "cuda"):
+        if (kind in IMPLEMENTATIONS["cudnn"].kinds and not packed and head_dim <= 128
+                and head_dim % 8 == 0 and jnp.dtype(dtype) in _CUDNN_DTYPES):
+            return "cudnn"
+        if head_dim in _PALLAS_GPU_HEAD_DIMS:
+            return "pallas_gpu"
+    return "xla"
 
 
 def _check_inputs(q, k, v, segment_ids) -> None:
@@ -85,7 +139,7 @@ def _check_inputs(q, k, v, segment_ids) -> None:
     (b, length, hq, d), (bk, lk, hkv, dk) = q.shape, k.shape
     if (b, length, d) != (bk, lk, dk):
         raise ValueError(
-            f"q {q.shape} and k/v {k.shape} disagree on batch, seq or head_dim: CCA is "
+            f"q {q.shape} and k/v {k.shape} disagree on batch, seq or head_dim: this is "
             "self-attention over one sequence, so these must match.")
     if hq % hkv:
         raise ValueError(
@@ -101,6 +155,37 @@ def _check_inputs(q, k, v, segment_ids) -> None:
             raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}.")
 
 
+def run_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: AttentionPattern, *,
+                  pooling: str = "cca", implementation: str = "auto",
+                  segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal attention under `pattern` (full, sliding, streaming or cca; see `blocks`).
+
+    q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]`, RoPE already applied; `Hq` a multiple of
+    `Hkv`. segment_ids: optional `[B, L]` ints; each maximal run of equal ids is one document
+    (packed rows): queries see only their own document, and windows, sinks and groups count
+    from its start. pooling (cca only): "cca", "mean" or "max". Returns `[B, L, Hq, D]` in
+    the dtype of q.
+    """
+    _check_inputs(q, k, v, segment_ids)
+    if not isinstance(pattern, AttentionPattern):
+        raise ValueError(f"pattern must be a blocks.AttentionPattern, got {pattern!r}.")
+    if pooling not in POOLING_FNS:
+        raise ValueError(f"pooling must be one of {sorted(POOLING_FNS)}, got {pooling!r}.")
+    name = resolve_implementation(implementation, pattern=pattern, head_dim=q.shape[-1],
+                                  dtype=q.dtype, packed=segment_ids is not None)
+    if implementation == "auto":
+        _log.info("attention=%s L=%d: implementation 'auto' -> %r", pattern.kind, q.shape[1],
+                  name)
+    return IMPLEMENTATIONS[name].run(q, k, v, pattern, pooling=pooling,
+                                     segment_ids=segment_ids)
+
+
+def _static_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive Python int, got {value!r}.")
+    return value
+
+
 def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
                   window_size: int, pooling: str = "cca", implementation: str = "auto",
                   segment_ids: jax.Array | None = None) -> jax.Array:
@@ -112,15 +197,7 @@ def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
     core tokens of their own document only, groups counted from its start.
     Returns `[B, L, Hq, D]` in the dtype of q.
     """
-    _check_inputs(q, k, v, segment_ids)
-    group_size = _static_int("group_size", group_size)
-    window_size = _static_int("window_size", window_size)
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}.")
-    name = resolve_implementation(implementation)
-    if name == "pallas_gpu" and implementation == "auto" and (
-            q.shape[-1] not in _PALLAS_GPU_HEAD_DIMS):
-        name = "xla"
-    impl = _IMPLEMENTATIONS[name]
-    return impl(q, k, v, group_size=group_size, window_size=window_size, pooling=pooling,
-                segment_ids=segment_ids)
+    pattern = cca_pattern(_static_int("group_size", group_size),
+                          _static_int("window_size", window_size))
+    return run_attention(q, k, v, pattern, pooling=pooling, implementation=implementation,
+                         segment_ids=segment_ids)

@@ -1,7 +1,7 @@
-"""Dense CCA: SPEC sections 1-3 written out with L x L masks. For tests and small L only.
+"""Dense attention for every option (SPEC sections 1-3 for CCA) with L x L masks. Tests, small L.
 
-Every position is treated as a candidate core-token slot (the group ending there); masks keep
-the slots that really are group ends the query may see. Everything is computed in float32,
+Every position is treated as a candidate slot (the group ending there); masks keep the slots
+that really are group ends the query may see. Everything is computed in float32,
 so this doubles as the high-precision reference for bf16 runs.
 """
 
@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import n_core
+from cca_jax.blocks import AttentionPattern, cca_pattern, document_starts
 
 
 def _document_positions(segment_ids, batch: int, length: int):
@@ -21,10 +21,8 @@ def _document_positions(segment_ids, batch: int, length: int):
     if segment_ids is None:
         zeros = jnp.zeros((batch, length), jnp.int32)
         return zeros, zeros, jnp.broadcast_to(t, (batch, length))
-    seg = jnp.asarray(segment_ids)
-    new_doc = jnp.concatenate([jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    start = jax.lax.cummax(jnp.where(new_doc, t, 0), axis=1)
-    return jnp.cumsum(new_doc, axis=1), start, t - start
+    start = document_starts(segment_ids)
+    return jnp.cumsum(start == t, axis=1), start, t - start
 
 
 def _pool_every_position(q, k, v, group_size: int, pooling: str):
@@ -44,29 +42,29 @@ def _pool_every_position(q, k, v, group_size: int, pooling: str):
     return kw.max(axis=2), vw.max(axis=2)
 
 
-def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
-                        segment_ids=None):
-    """CCA attention by dense masks; same signature and result as `cca_attention`."""
+def attention_naive(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
+                    segment_ids=None):
+    """Attention under `pattern` by dense masks; same signature and result as `run_attention`."""
     b, length, hq, d = q.shape
     reps = hq // k.shape[2]
-    g, s = group_size, window_size
+    size = pattern.slot_size
     compute = jnp.promote_types(q.dtype, jnp.float32)  # float32, or float64 under x64
     qf = q.astype(compute)
     kf = jnp.repeat(k.astype(compute), reps, axis=2)
     vf = jnp.repeat(v.astype(compute), reps, axis=2)
 
     doc, start, pos = _document_positions(segment_ids, b, length)
-    nc = n_core(pos, g, s)                                            # [B, L]
+    nc = pattern.num_slots(pos)                                       # [B, L]
     t = jnp.arange(length)
     same_doc = doc[:, :, None] == doc[:, None, :]                     # [B, Lq, Lk]
     raw_mask = same_doc & (t[None, None, :] <= t[None, :, None]) & (
-        t[None, None, :] >= (start + g * nc)[:, :, None])
-    is_group_end = ((pos + 1) % g == 0) & (pos >= g - 1)
-    group_index = (pos + 1) // g - 1
-    core_mask = same_doc & is_group_end[:, None, :] & (
-        group_index[:, None, :] < nc[:, :, None])
+        t[None, None, :] >= (start + pattern.raw_start(pos))[:, :, None])
+    is_slot_end = ((pos + 1) % size == 0) & (pos >= size - 1)
+    slot_index = (pos + 1) // size - 1
+    core_mask = same_doc & is_slot_end[:, None, :] & (
+        slot_index[:, None, :] < nc[:, :, None])
 
-    ck, cv = _pool_every_position(qf, kf, vf, g, pooling)
+    ck, cv = _pool_every_position(qf, kf, vf, size, pooling if size > 1 else "mean")
     scale = 1.0 / math.sqrt(d)
     neg = jnp.finfo(compute).min
     core_logits = jnp.einsum("bthd,behd->bhte", qf, ck) * scale
@@ -78,3 +76,10 @@ def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: 
     out = (jnp.einsum("bhte,behd->bthd", p[..., :length], cv)
            + jnp.einsum("bhtu,buhd->bthd", p[..., length:], vf))
     return out.astype(q.dtype)
+
+
+def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
+                        segment_ids=None):
+    """CCA attention by dense masks; same signature and result as `cca_attention`."""
+    return attention_naive(q, k, v, cca_pattern(group_size, window_size), pooling=pooling,
+                           segment_ids=segment_ids)

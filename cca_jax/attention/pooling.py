@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import num_pooled_groups, row_ranges
+from cca_jax.blocks import AttentionPattern, cca_pattern, pattern_ranges
 
 
 def group_members(x: jax.Array, group_start: jax.Array | None, num_groups: int,
@@ -66,13 +66,16 @@ def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str 
     """Core keys and values `[B, m, Hq, D]` for the `num_groups` pooled groups.
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]`. `group_start` `[B, m]` (from
-    `blocks.row_ranges`) places groups inside packed documents; None = plain groups.
+    `blocks.pattern_ranges`) places groups inside packed documents; None = plain groups.
+    A group of one token is that token whatever the pooling (streaming's sinks, CCA g = 1).
     """
     b, _, hq, d = q.shape
     hkv = k.shape[2]
     if num_groups == 0:
         empty = jnp.zeros((b, 0, hq, d), k.dtype)
         return empty, empty.astype(v.dtype)
+    if group_size == 1:
+        pooling = "mean"   # exact, and needs no query
     k_members = group_members(k, group_start, num_groups, group_size)
     v_members = group_members(v, group_start, num_groups, group_size)
     if group_start is None:
@@ -86,18 +89,26 @@ def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str 
             cv.reshape(b, num_groups, hq, d).astype(v.dtype))
 
 
-def core_tokens_and_bounds(q, k, v, *, group_size: int, window_size: int, pooling: str,
-                           segment_ids=None):
-    """What every blocked implementation starts from: pooled core tokens and row bounds.
+def slots_and_bounds(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
+                     segment_ids=None):
+    """What every blocked implementation starts from: the slots' keys/values and row bounds.
 
-    Returns `ck, cv [B, m, Hq, D]` and int32 `raw_lo, core_lo, core_hi [B, L]`
-    (`blocks.row_ranges`, broadcast over the batch).
+    Returns `ck, cv [B, m, Hq, D]` (CCA's core tokens, streaming's sinks; m = 0 for full and
+    sliding) and int32 `raw_lo, core_lo, core_hi [B, L]` (`blocks.pattern_ranges`, broadcast
+    over the batch).
     """
     b, length = q.shape[:2]
-    m = num_pooled_groups(length, group_size, window_size)
-    ranges = row_ranges(length, group_size, window_size, segment_ids)
-    ck, cv = pool_core_tokens(q, k, v, group_size=group_size, num_groups=m, pooling=pooling,
-                              group_start=ranges.group_start)
+    m = pattern.max_slots(length, packed=segment_ids is not None)
+    ranges = pattern_ranges(pattern, length, segment_ids)
+    ck, cv = pool_core_tokens(q, k, v, group_size=pattern.slot_size, num_groups=m,
+                              pooling=pooling, group_start=ranges.group_start)
     bounds = tuple(jnp.broadcast_to(x, (b, length)).astype(jnp.int32)
                    for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
     return (ck, cv, *bounds)
+
+
+def core_tokens_and_bounds(q, k, v, *, group_size: int, window_size: int, pooling: str,
+                           segment_ids=None):
+    """`slots_and_bounds` for CCA with group `g` and window `s`."""
+    return slots_and_bounds(q, k, v, cca_pattern(group_size, window_size), pooling=pooling,
+                            segment_ids=segment_ids)

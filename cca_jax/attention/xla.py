@@ -1,16 +1,19 @@
-"""Blocked, memory-linear CCA in plain XLA: the baseline every kernel must beat.
+"""Blocked, memory-linear attention in plain XLA for every option: the portable baseline.
 
-Query blocks of `block_q` rows are processed one after another. Each block attends to
-  * a fixed window of `W >= block_q + s + g - 2` raw keys ending at its last row (every raw key
-    any of its rows can see lies in it), and
-  * the core-token blocks of `block_c` slots between the smallest `core_lo` and the largest
-    `core_hi` of its rows (a run-time bound: blocks no row can see are never visited),
-with one online softmax over both. Nothing larger than `[block_q, W]` scores per head exists at
-a time. Raw K/V are never repeated for GQA: query heads are laid out `[Hkv, G]`.
+Query blocks of `block_q` rows are processed one after another. Each block walks
+  * the raw key blocks of `block_k` keys between the smallest `raw_lo` and the last row of the
+    block (`blocks.raw_blocks_for_rows`: full attention walks the whole prefix, a window only
+    its width), then
+  * the slot blocks of `block_c` slots between the smallest `core_lo` and the largest
+    `core_hi` of its rows (`blocks.core_blocks_for_rows`),
+with one online softmax over both. Bounds are run-time values, so blocks no row of the query
+block can see are never visited, and nothing larger than `[block_q, max(block_k, block_c)]`
+scores per head exists at a time. Raw K/V are never repeated for GQA: query heads are laid out
+`[Hkv, G]`.
 
 The backward (custom VJP) recomputes probabilities from the saved log-sum-exp, as flash
 attention does; the pooling in front of it is differentiated by XLA, so gradients reach q, k
-and v through the core tokens.
+and v through the slots.
 """
 
 from __future__ import annotations
@@ -22,111 +25,108 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cca_jax.attention.pooling import core_tokens_and_bounds
-from cca_jax.blocks import core_blocks_for_rows
+from cca_jax.attention.pooling import slots_and_bounds
+from cca_jax.blocks import AttentionPattern, cca_pattern, core_blocks_for_rows
+from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 
-_MASKED = -1e30  # finite: a fully masked block never turns the running max into -inf
+_MASKED = -1e30  # finite: max over a fully masked block stays finite (no inf - inf)
 
 
-class _Blocking(NamedTuple):
+class Blocking(NamedTuple):
+    """Static tiling of the blocked implementation."""
     scale: float
-    block_q: int
-    block_c: int
-    window: int       # raw keys per query block
+    block_q: int      # query rows per step, and raw keys per step
+    block_c: int      # slots per step
     padded_len: int   # L rounded up to block_q
-    padded_core: int  # m rounded up to block_c
+    padded_slots: int  # m rounded up to block_c
 
 
-def _round_up(x: int, n: int) -> int:
-    return -(-x // n) * n
+def default_blocking(length: int, num_slots: int, head_dim: int, block_q: int | None = None,
+                     block_c: int | None = None) -> Blocking:
+    block_q = block_q or min(512, round_up(length, 16))
+    block_c = block_c or min(512, round_up(max(num_slots, 1), 16))
+    return Blocking(1.0 / math.sqrt(head_dim), block_q, block_c, round_up(length, block_q),
+                    round_up(max(num_slots, 1), block_c))
 
 
-def default_blocking(length: int, num_core: int, head_dim: int, group_size: int,
-                     window_size: int, block_q: int | None = None,
-                     block_c: int | None = None) -> _Blocking:
-    block_q = block_q or min(512, _round_up(length, 16))
-    block_c = block_c or min(512, _round_up(max(num_core, 1), 16))
-    window = _round_up(block_q + window_size + group_size - 2, 16)
-    return _Blocking(1.0 / math.sqrt(head_dim), block_q, block_c, window,
-                     _round_up(length, block_q), _round_up(max(num_core, 1), block_c))
+def attention_xla(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
+                  segment_ids=None, block_q: int | None = None, block_c: int | None = None):
+    """Attention under `pattern`, blocked; same signature and result as `run_attention`."""
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
+                                       segment_ids=segment_ids)
+    blocking = default_blocking(q.shape[1], ck.shape[1], q.shape[-1], block_q, block_c)
+    return blocked_attention(q, k, v, ck, cv, *bounds, blocking)
 
 
 def cca_attention_xla(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
                       segment_ids=None, block_q: int | None = None, block_c: int | None = None):
     """CCA attention, blocked; same signature and result as `cca_attention`."""
-    ck, cv, *bounds = core_tokens_and_bounds(q, k, v, group_size=group_size,
-                                             window_size=window_size, pooling=pooling,
-                                             segment_ids=segment_ids)
-    blocking = default_blocking(q.shape[1], ck.shape[1], q.shape[-1], group_size, window_size,
-                                block_q, block_c)
-    return blocked_attention(q, k, v, ck, cv, *bounds, blocking)
+    return attention_xla(q, k, v, cca_pattern(group_size, window_size), pooling=pooling,
+                         segment_ids=segment_ids, block_q=block_q, block_c=block_c)
 
 
 # ---- layout ------------------------------------------------------------------------------
 
-def _pad_axis1(x, before: int, after: int, value=0):
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (before, after)
-    return jnp.pad(x, pad, constant_values=value)
-
-
-def _layout(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: _Blocking):
-    """Pad to whole blocks; queries and core tokens as [B, rows, Hkv, G, D]."""
-    b, length, hq, d = q.shape
+def _layout(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: Blocking):
+    """Pad to whole blocks; queries and slots as [B, rows, Hkv, G, D]."""
+    b, _, hq, d = q.shape
     hkv = k.shape[2]
-    extra = p.padded_len - length
-    qp = _pad_axis1(q, 0, extra).reshape(b, p.padded_len, hkv, hq // hkv, d)
-    # Left padding puts the window of query block i at padded offset i * block_q.
-    kp = _pad_axis1(k, p.window - p.block_q, extra)
-    vp = _pad_axis1(v, p.window - p.block_q, extra)
-    m = ck.shape[1]
-    ckp = _pad_axis1(ck, 0, p.padded_core - m).reshape(b, p.padded_core, hkv, hq // hkv, d)
-    cvp = _pad_axis1(cv, 0, p.padded_core - m).reshape(b, p.padded_core, hkv, hq // hkv, d)
-    # Padded rows see only themselves (a zero key) and the last row's core tokens: finite,
-    # discarded, and the bounds stay non-decreasing along the row as blocks.py requires.
-    pad_rows = jnp.broadcast_to(jnp.arange(length, p.padded_len, dtype=jnp.int32), (b, extra))
-    raw_lo = jnp.concatenate([raw_lo, pad_rows], axis=1)
-    core_lo = jnp.pad(core_lo, ((0, 0), (0, extra)), mode="edge")
-    core_hi = jnp.pad(core_hi, ((0, 0), (0, extra)), mode="edge")
-    return qp, kp, vp, ckp, cvp, raw_lo, core_lo, core_hi
+    grouped = (b, -1, hkv, hq // hkv, d)
+    qp = pad_rows(q, p.padded_len).reshape(grouped)
+    ckp = pad_rows(ck, p.padded_slots).reshape(grouped)
+    cvp = pad_rows(cv, p.padded_slots).reshape(grouped)
+    bounds = pad_row_bounds(raw_lo, core_lo, core_hi, p.padded_len)
+    return (qp, pad_rows(k, p.padded_len), pad_rows(v, p.padded_len), ckp, cvp, *bounds)
 
 
 def _slice(x, start, size, axis=1):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _raw_block(qp, kp, vp, raw_lo, r0, p: _Blocking):
-    """Query block at row r0, its raw window, scores [B,Hkv,G,bq,W] and visibility mask."""
-    qb = _slice(qp, r0, p.block_q)
-    kw, vw = _slice(kp, r0, p.window), _slice(vp, r0, p.window)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kw, preferred_element_type=jnp.float32)
-    keys = r0 + p.block_q - p.window + jnp.arange(p.window)
+def _raw_scores(qb, kp, vp, r0, j, raw_lo_b, p: Blocking):
+    """Raw key block j against the query block at r0: k, v, scores [B,Hkv,G,bq,bk], mask."""
+    k0 = j * p.block_q
+    kb, vb = _slice(kp, k0, p.block_q), _slice(vp, k0, p.block_q)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32)
+    keys = k0 + jnp.arange(p.block_q)
     rows = r0 + jnp.arange(p.block_q)
-    lo = _slice(raw_lo, r0, p.block_q)
-    mask = (keys[None, None, :] >= lo[:, :, None]) & (keys[None, None, :] <= rows[None, :, None])
-    return qb, kw, vw, scores * p.scale, mask[:, None, None]
+    mask = (keys[None, None, :] >= raw_lo_b[:, :, None]) & (keys[None, None, :] <= rows[None, :, None])
+    return kb, vb, s * p.scale, mask[:, None, None]
 
 
-def _core_block(qb, ckp, cvp, lo, hi, c, p: _Blocking):
-    """Core block c against a query block: scores [B,Hkv,G,bq,bc] and visibility mask."""
+def _core_scores(qb, ckp, cvp, c, lo, hi, p: Blocking):
+    """Slot block c against a query block: ck, cv, scores [B,Hkv,G,bq,bc], mask."""
     c0 = c * p.block_c
     ckb, cvb = _slice(ckp, c0, p.block_c), _slice(cvp, c0, p.block_c)
-    scores = jnp.einsum("bqhgd,bchgd->bhgqc", qb, ckb, preferred_element_type=jnp.float32)
+    s = jnp.einsum("bqhgd,bchgd->bhgqc", qb, ckb, preferred_element_type=jnp.float32)
     j = c0 + jnp.arange(p.block_c)
     mask = (j[None, None, :] >= lo[:, :, None]) & (j[None, None, :] < hi[:, :, None])
-    return ckb, cvb, scores * p.scale, mask[:, None, None]
+    return ckb, cvb, s * p.scale, mask[:, None, None]
 
 
-def _core_block_range(lo, hi, p: _Blocking):
-    """Core blocks holding any slot visible to some row of the block (any batch row)."""
-    first, _, _, last = core_blocks_for_rows(
+def _block_ranges(r0, raw_lo_b, lo, hi, p: Blocking):
+    """Raw key blocks and slot blocks that some row of the query block (any batch row) sees."""
+    raw_first = jnp.min(raw_lo_b[:, 0]) // p.block_q
+    raw_last = (r0 + p.block_q - 1) // p.block_q + 1
+    core_first, _, _, core_last = core_blocks_for_rows(
         jnp.min(lo[:, 0]), jnp.max(lo[:, -1]), jnp.min(hi[:, 0]), jnp.max(hi[:, -1]), p.block_c)
-    return first, last
+    return (raw_first, raw_last), (core_first, core_last)
 
 
 # ---- forward / backward ------------------------------------------------------------------
 
-def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: _Blocking):
+def _online_step(state, s, mask, values, spec: str):
+    """Fold one block of scores into the running (max, denominator, accumulator)."""
+    row_max, denom, acc = state
+    new_max = jnp.maximum(row_max, jnp.where(mask, s, _MASKED).max(-1))
+    alpha = jnp.exp(row_max - new_max)
+    probs = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
+    acc = acc * alpha[..., None] + jnp.einsum(spec, probs.astype(values.dtype), values,
+                                              preferred_element_type=jnp.float32)
+    return new_max, denom * alpha + probs.sum(-1), acc
+
+
+def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: Blocking):
     b, length, hq, d = q.shape
     qp, kp, vp, ckp, cvp, raw_lo, core_lo, core_hi = _layout(
         q, k, v, ck, cv, raw_lo, core_lo, core_hi, p)
@@ -135,29 +135,24 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: _Blocking):
     def query_block(i, carry):
         out, lse = carry
         r0 = i * p.block_q
-        qb, _, vw, s, mask = _raw_block(qp, kp, vp, raw_lo, r0, p)
-        s = jnp.where(mask, s, _MASKED)
-        row_max = s.max(-1)
-        probs = jnp.exp(s - row_max[..., None])
-        denom = probs.sum(-1)
-        acc = jnp.einsum("bhgqk,bkhd->bhgqd", probs.astype(vp.dtype), vw,
-                         preferred_element_type=jnp.float32)
+        qb = _slice(qp, r0, p.block_q)
+        rlo = _slice(raw_lo, r0, p.block_q)
         lo, hi = _slice(core_lo, r0, p.block_q), _slice(core_hi, r0, p.block_q)
+        raw_range, core_range = _block_ranges(r0, rlo, lo, hi, p)
+
+        def raw_step(j, state):
+            _, vb, s, mask = _raw_scores(qb, kp, vp, r0, j, rlo, p)
+            return _online_step(state, s, mask, vb, "bhgqk,bkhd->bhgqd")
 
         def core_step(c, state):
-            row_max, denom, acc = state
-            _, cvb, sc, cmask = _core_block(qb, ckp, cvp, lo, hi, c, p)
-            sc = jnp.where(cmask, sc, _MASKED)
-            new_max = jnp.maximum(row_max, sc.max(-1))
-            alpha = jnp.exp(row_max - new_max)
-            pc = jnp.exp(sc - new_max[..., None])
-            acc = acc * alpha[..., None] + jnp.einsum(
-                "bhgqc,bchgd->bhgqd", pc.astype(cvp.dtype), cvb,
-                preferred_element_type=jnp.float32)
-            return new_max, denom * alpha + pc.sum(-1), acc
+            _, cvb, s, mask = _core_scores(qb, ckp, cvp, c, lo, hi, p)
+            return _online_step(state, s, mask, cvb, "bhgqc,bchgd->bhgqd")
 
-        row_max, denom, acc = jax.lax.fori_loop(
-            *_core_block_range(lo, hi, p), core_step, (row_max, denom, acc))
+        state = (jnp.full((b, hkv, groups, p.block_q), _MASKED, jnp.float32),
+                 jnp.zeros((b, hkv, groups, p.block_q), jnp.float32),
+                 jnp.zeros((b, hkv, groups, p.block_q, d), jnp.float32))
+        state = jax.lax.fori_loop(*raw_range, raw_step, state)
+        row_max, denom, acc = jax.lax.fori_loop(*core_range, core_step, state)
         block_out = (acc / denom[..., None]).transpose(0, 3, 1, 2, 4).astype(out.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, block_out, r0, 1)
         lse = jax.lax.dynamic_update_slice_in_dim(lse, row_max + jnp.log(denom), r0, 3)
@@ -169,52 +164,58 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, p: _Blocking):
     return out[:, :length].reshape(b, length, hq, d), lse
 
 
-def _backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, p: _Blocking):
+def _add_at(x, start, update):
+    size = update.shape[1]
+    return jax.lax.dynamic_update_slice_in_dim(x, _slice(x, start, size) + update, start, 1)
+
+
+def _backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, p: Blocking):
     b, length, hq, d = q.shape
     qp, kp, vp, ckp, cvp, raw_lo, core_lo, core_hi = _layout(
         q, k, v, ck, cv, raw_lo, core_lo, core_hi, p)
     hkv, groups = qp.shape[2], qp.shape[3]
-    dop = _pad_axis1(dout, 0, p.padded_len - length).reshape(qp.shape)
+    dop = pad_rows(dout, p.padded_len).reshape(qp.shape)
     # delta = rowsum(dO * O), laid out like lse: [B, Hkv, G, Lp].
-    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = _pad_axis1(delta, 0, p.padded_len - length).reshape(b, p.padded_len, hkv, groups)
-    delta = delta.transpose(0, 2, 3, 1)
+    delta = pad_rows(softmax_delta(dout, out).transpose(0, 2, 1), p.padded_len)
+    delta = delta.reshape(b, p.padded_len, hkv, groups).transpose(0, 2, 3, 1)
     f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
     def query_block(i, carry):
         dq, dk, dv, dck, dcv = carry
         r0 = i * p.block_q
-        qb, kw, vw, s, mask = _raw_block(qp, kp, vp, raw_lo, r0, p)
-        dob = _slice(dop, r0, p.block_q)
+        qb, dob = _slice(qp, r0, p.block_q), _slice(dop, r0, p.block_q)
         lse_b = _slice(lse, r0, p.block_q, 3)[..., None]
         delta_b = _slice(delta, r0, p.block_q, 3)[..., None]
-        probs = jnp.where(mask, jnp.exp(s - lse_b), 0.0)
-        dv_w = f32("bhgqk,bqhgd->bkhd", probs.astype(vp.dtype), dob)
-        ds = probs * (f32("bqhgd,bkhd->bhgqk", dob, vw) - delta_b)
-        ds = ds.astype(qp.dtype)
-        dq_b = f32("bhgqk,bkhd->bqhgd", ds, kw) * p.scale
-        dk_w = f32("bhgqk,bqhgd->bkhd", ds, qb) * p.scale
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, _slice(dk, r0, p.window) + dk_w, r0, 1)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, _slice(dv, r0, p.window) + dv_w, r0, 1)
+        rlo = _slice(raw_lo, r0, p.block_q)
         lo, hi = _slice(core_lo, r0, p.block_q), _slice(core_hi, r0, p.block_q)
+        raw_range, core_range = _block_ranges(r0, rlo, lo, hi, p)
+
+        def grads(s, mask, keys, values, spec_kv):
+            """dq contribution and (dk, dv) of one block; spec_kv names the key layout."""
+            probs = jnp.where(mask, jnp.exp(s - lse_b), 0.0)
+            dvb = f32(f"bhgqk,bqhgd->{spec_kv}", probs.astype(values.dtype), dob)
+            ds = (probs * (f32(f"bqhgd,{spec_kv}->bhgqk", dob, values) - delta_b)).astype(qp.dtype)
+            dq_b = f32(f"bhgqk,{spec_kv}->bqhgd", ds, keys) * p.scale
+            dkb = f32(f"bhgqk,bqhgd->{spec_kv}", ds, qb) * p.scale
+            return dq_b, dkb, dvb
+
+        def raw_step(j, state):
+            dq_b, dk, dv = state
+            kb, vb, s, mask = _raw_scores(qb, kp, vp, r0, j, rlo, p)
+            ddq, dkb, dvb = grads(s, mask, kb, vb, "bkhd")
+            k0 = j * p.block_q
+            return dq_b + ddq, _add_at(dk, k0, dkb), _add_at(dv, k0, dvb)
 
         def core_step(c, state):
             dq_b, dck, dcv = state
-            ckb, cvb, sc, cmask = _core_block(qb, ckp, cvp, lo, hi, c, p)
-            pc = jnp.where(cmask, jnp.exp(sc - lse_b), 0.0)
-            dcv_b = f32("bhgqc,bqhgd->bchgd", pc.astype(cvp.dtype), dob)
-            dsc = (pc * (f32("bqhgd,bchgd->bhgqc", dob, cvb) - delta_b)).astype(qp.dtype)
-            dq_b = dq_b + f32("bhgqc,bchgd->bqhgd", dsc, ckb) * p.scale
-            dck_b = f32("bhgqc,bqhgd->bchgd", dsc, qb) * p.scale
+            ckb, cvb, s, mask = _core_scores(qb, ckp, cvp, c, lo, hi, p)
+            ddq, dckb, dcvb = grads(s, mask, ckb, cvb, "bkhgd")
             c0 = c * p.block_c
-            dck = jax.lax.dynamic_update_slice_in_dim(
-                dck, _slice(dck, c0, p.block_c) + dck_b, c0, 1)
-            dcv = jax.lax.dynamic_update_slice_in_dim(
-                dcv, _slice(dcv, c0, p.block_c) + dcv_b, c0, 1)
-            return dq_b, dck, dcv
+            return dq_b + ddq, _add_at(dck, c0, dckb), _add_at(dcv, c0, dcvb)
 
-        dq_b, dck, dcv = jax.lax.fori_loop(
-            *_core_block_range(lo, hi, p), core_step, (dq_b, dck, dcv))
+        dq_b = jnp.zeros(qb.shape, jnp.float32)
+        dq_b, dk, dv = jax.lax.fori_loop(*raw_range, raw_step, (dq_b, dk, dv))
+        dq_b, dck, dcv = jax.lax.fori_loop(*core_range, core_step, (dq_b, dck, dcv))
         dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b, r0, 1)
         return dq, dk, dv, dck, dcv
 
@@ -222,18 +223,17 @@ def _backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, p: _Blo
     dq, dk, dv, dck, dcv = jax.lax.fori_loop(
         0, p.padded_len // p.block_q, query_block,
         (zeros(qp), zeros(kp), zeros(vp), zeros(ckp), zeros(cvp)))
-    offset = p.window - p.block_q
     m = ck.shape[1]
     return (dq[:, :length].reshape(q.shape).astype(q.dtype),
-            dk[:, offset:offset + length].astype(k.dtype),
-            dv[:, offset:offset + length].astype(v.dtype),
+            dk[:, :length].astype(k.dtype),
+            dv[:, :length].astype(v.dtype),
             dck[:, :m].reshape(ck.shape).astype(ck.dtype),
             dcv[:, :m].reshape(cv.shape).astype(cv.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking: _Blocking):
-    """One softmax over raw keys `[raw_lo, t]` and core slots `[core_lo, core_hi)` per row."""
+def blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking: Blocking):
+    """One softmax over raw keys `[raw_lo, t]` and slots `[core_lo, core_hi)` per row."""
     return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)[0]
 
 
