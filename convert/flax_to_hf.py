@@ -10,6 +10,9 @@ Output: sharded safetensors (+ index) in the stored dtype, `config.json` of the 
 family (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM) with CCA settings under
 "cca_attention" (transformers ignores that key), tokenizer files found next to the config.
 
+The output must not be, contain or lie inside the checkpoint (nor contain its config.json):
+that is refused even with --force, which only replaces an unrelated existing output.
+
 Streaming: every shard header is planned from the checkpoint metadata, then each stacked
 parameter is restored alone (orbax partial restore), split into per-layer tensors, transposed
 and written at its offset. Peak memory ~ the largest stacked parameter.
@@ -24,24 +27,28 @@ from pathlib import Path
 
 import numpy as np
 
+from cca_jax.checkpoint import CheckpointReader, find_config
 from cca_jax.config import LlamaConfig
-from cca_jax.pretrained import CheckpointReader, find_config, release_freed_memory
-from convert.hf_io import (AtomicOutputDir, ConversionError, Progress, SafetensorsShardWriter,
-                           copy_tokenizer_files)
+from cca_jax.host_memory import release_freed_memory
+from convert.hf_io import (AtomicOutputDir, ConversionError, SafetensorsShardWriter,
+                           check_output_dir, copy_tokenizer_files, progress_bar)
 from convert.layout import iter_hf_tensors, param_specs
 
 
 def convert_flax_to_hf(ckpt, out_dir, *, config: str | None = None, force: bool = False,
                        max_shard_bytes: int = 5 * 2**30, verbose: bool = True) -> Path:
+    check_output_dir(out_dir, [ckpt], force)
     reader = CheckpointReader(ckpt)
     config_path = Path(config) if config else find_config(ckpt)
+    inputs = [ckpt, reader.dir, config_path]
+    check_output_dir(out_dir, inputs, force)
     stored = {".".join(k): m for k, m in reader.leaves()}
-    dtypes = {np.dtype(m.dtype) for m in stored.values()}
-    if len(dtypes) != 1:
+    dtype = reader.stored_dtype()
+    if dtype is None:
+        dtypes = sorted({np.dtype(m.dtype).name for m in stored.values()})
         raise ConversionError(f"Parameters in {reader.dir} have mixed dtypes {dtypes}; expected "
                               "one.")
-    dtype = dtypes.pop()
-    cfg = LlamaConfig.from_pretrained_dir(config_path, param_dtype=str(dtype), dtype=str(dtype))
+    cfg = LlamaConfig.from_pretrained_dir(config_path, param_dtype=dtype, dtype=dtype)
     specs = param_specs(cfg)
     want = {s.name: s.shape for s in specs}
     got = {k: tuple(m.shape) for k, m in stored.items()}
@@ -49,26 +56,27 @@ def convert_flax_to_hf(ckpt, out_dir, *, config: str | None = None, force: bool 
         diff = sorted(set(want.items()) ^ set(got.items()))[:6]
         raise ConversionError(f"Checkpoint {reader.dir} does not match {config_path}: differing "
                               f"(param, shape) pairs {diff}.")
-    hf_order = [(name, shape, dtype) for name, shape in iter_hf_tensors(specs)]
-    progress = Progress(len(hf_order), verbose)
-    with AtomicOutputDir(out_dir, force) as tmp:
+    np_dtype = np.dtype(next(iter(stored.values())).dtype)
+    hf_order = [(name, shape, np_dtype) for name, shape in iter_hf_tensors(specs)]
+    with AtomicOutputDir(out_dir, inputs, force) as tmp:
         writer = SafetensorsShardWriter(tmp, hf_order, max_shard_bytes)
-        for spec in specs:
-            ours = reader.read(spec.path)
-            names = spec.hf_names()
-            for i, name in enumerate(names):
-                part = ours if spec.num_layers is None else ours[i]
-                hf = spec.to_hf(part)
-                writer.write(name, hf)
-                progress.step(name, hf.shape, hf.nbytes)
-            del ours, part, hf
-            release_freed_memory()
+        with progress_bar(writer.total_bytes, "flax_to_hf", verbose) as bar:
+            for spec in specs:
+                ours = reader.read(spec.path)
+                for i, name in enumerate(spec.hf_names()):
+                    hf = spec.to_hf(ours if spec.num_layers is None else ours[i])
+                    writer.write(name, hf)
+                    bar.set_postfix_str(name, refresh=False)
+                    bar.update(hf.nbytes)
+                    del hf
+                del ours
+                release_freed_memory()
         writer.close()
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
         copied = copy_tokenizer_files(config_path.parent, tmp)
     if verbose:
         print(f"wrote {out_dir}: {len(hf_order)} tensors in {len(writer.files)} shard(s), "
-              f"{writer.total_bytes / 1e9:.2f} GB {dtype}; tokenizer files: {copied or 'none'}",
+              f"{writer.total_bytes / 1e6:.1f} MB {dtype}; tokenizer files: {copied or 'none'}",
               file=sys.stderr)
     return Path(out_dir)
 
@@ -80,7 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output HF directory (must not exist)")
     ap.add_argument("--config", default=None, help="config.json (default: found near --ckpt)")
     ap.add_argument("--max-shard-size-gb", type=float, default=5.0)
-    ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    ap.add_argument("--force", action="store_true",
+                    help="replace an existing --out (never one that overlaps --ckpt)")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     a = ap.parse_args(argv)
     try:

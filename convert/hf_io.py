@@ -9,7 +9,8 @@ nothing is memory-mapped and a truncated file is caught before any data is used.
 Writing: `SafetensorsShardWriter` plans every shard's header up front from (name, shape, dtype)
 and then accepts tensors in any order, writing each at its offset; peak memory is the tensor
 being written. `AtomicOutputDir` builds output in a temporary sibling directory and renames it
-into place only when everything succeeded.
+into place only when everything succeeded; it refuses an output that overlaps an input.
+Progress is a tqdm bar (`progress_bar`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 # safetensors dtype code <-> numpy dtype.
 ST_DTYPES = {
@@ -65,6 +66,8 @@ class _SafetensorsFile:
         header.pop("__metadata__", None)
         self.data_start = 8 + n
         self.entries = header
+        self.shapes = {k: tuple(e["shape"]) for k, e in header.items()}
+        self.dtypes = {k: ST_DTYPES.get(e["dtype"]) for k, e in header.items()}
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
         if self.data_start + end > size:
             raise ConversionError(
@@ -93,10 +96,11 @@ class _SafetensorsFile:
 class WeightReader:
     """name -> numpy tensor, one at a time, over the weight files of a HF checkpoint."""
 
-    def __init__(self, files: dict[str, object], names: dict[str, tuple[int, ...]],
-                 description: str):
+    def __init__(self, files: dict[str, object], shapes: dict[str, tuple[int, ...]],
+                 dtypes: dict[str, np.dtype | None], description: str):
         self._where = files            # tensor name -> file object
-        self.shapes = names            # tensor name -> shape
+        self.shapes = shapes           # tensor name -> shape
+        self.dtypes = dtypes           # tensor name -> numpy dtype (None: unsupported)
         self.description = description
 
     def names(self) -> list[str]:
@@ -116,7 +120,8 @@ class _TorchBinFile:
         except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
             raise ConversionError(f"{path} cannot be read by torch.load ({type(e).__name__}: "
                                   f"{e}); it may be truncated.") from None
-        self.entries = {k: tuple(v.shape) for k, v in self._sd.items()}
+        self.shapes = {k: tuple(v.shape) for k, v in self._sd.items()}
+        self.dtypes = {k: _numpy_dtype(v.dtype) for k, v in self._sd.items()}
 
     def read(self, name: str) -> np.ndarray:
         import torch
@@ -124,6 +129,13 @@ class _TorchBinFile:
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
         return t.numpy().copy()
+
+
+def _numpy_dtype(torch_dtype) -> np.dtype:
+    import torch
+    if torch_dtype == torch.bfloat16:
+        return np.dtype(ml_dtypes.bfloat16)
+    return torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
 def _index_files(index: Path) -> list[str]:
@@ -148,13 +160,14 @@ def open_hf_weights(hf_dir: str | os.PathLike) -> WeightReader:
         if missing:
             raise ConversionError(f"{p} lists shard files that are missing in {d}: {missing}.")
         opener = _SafetensorsFile if "safetensors" in fname else _TorchBinFile
-        where, shapes = {}, {}
+        where, shapes, dtypes = {}, {}, {}
         for s in shards:
             f = opener(d / s)
-            for name, e in f.entries.items():
+            for name in f.shapes:
                 where[name] = f
-                shapes[name] = tuple(e["shape"]) if isinstance(e, dict) else e
-        return WeightReader(where, shapes, f"{d}/{fname}")
+            shapes.update(f.shapes)
+            dtypes.update(f.dtypes)
+        return WeightReader(where, shapes, dtypes, f"{d}/{fname}")
     raise FileNotFoundError(
         f"No weights in {d}: expected model.safetensors, model.safetensors.index.json with its "
         "shards, pytorch_model.bin or pytorch_model.bin.index.json.")
@@ -232,18 +245,48 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
 
 
 # ---- output directory and progress --------------------------------------------------------
-class AtomicOutputDir:
-    """`with AtomicOutputDir(out, force) as tmp:` build in `tmp`; renamed to `out` on success.
+def check_output_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike],
+                     force: bool = False) -> Path:
+    """Refuse an output that is, contains or lies inside an input, whatever `force` says.
 
-    An existing `out` is refused unless `force` (then replaced only after success). On any
-    error the temporary directory is removed, so nothing that looks complete is left behind.
+    Paths are compared after resolving symlinks. `force` only allows replacing an existing
+    output that shares nothing with the inputs. Returns the absolute output path.
+    """
+    out = Path(out).absolute()
+    real_out = out.resolve()
+    for inp in inputs:
+        real_in = Path(inp).resolve()
+        if real_out == real_in:
+            how = "is"
+        elif real_in in real_out.parents:
+            how = "lies inside"
+        elif real_out in real_in.parents:
+            how = "contains"
+        else:
+            continue
+        raise ConversionError(
+            f"Output {out} {how} the input {inp} (real paths {real_out} and {real_in}); "
+            "writing there would destroy the input, so it is refused even with --force. "
+            "Choose an output directory outside the input.")
+    if out.exists() and not force:
+        raise FileExistsError(f"Output {out} already exists; pass --force (force=True) to "
+                              "replace it.")
+    return out
+
+
+class AtomicOutputDir:
+    """`with AtomicOutputDir(out, inputs, force) as tmp:` build in `tmp`; renamed to `out` on
+    success.
+
+    `out` must not overlap any of `inputs` (`check_output_dir`). An existing `out` is refused
+    unless `force` (then replaced only after success). On any error the temporary directory
+    is removed, so nothing that looks complete is left behind.
     """
 
-    def __init__(self, out: str | os.PathLike, force: bool = False):
-        self.out = Path(out).absolute()
-        if self.out.exists() and not force:
-            raise FileExistsError(f"Output {self.out} already exists; pass --force (force=True) "
-                                  "to replace it.")
+    def __init__(self, out: str | os.PathLike, inputs: Iterable[str | os.PathLike],
+                 force: bool = False):
+        self.inputs = list(inputs)
+        self.out = check_output_dir(out, self.inputs, force)
         self.force = force
 
     def __enter__(self) -> Path:
@@ -255,6 +298,11 @@ class AtomicOutputDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
+        try:
+            check_output_dir(self.out, self.inputs, self.force)  # nothing changed meanwhile
+        except Exception:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         old = None
         if self.out.exists():
             old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
@@ -265,18 +313,8 @@ class AtomicOutputDir:
         return False
 
 
-class Progress:
-    """`tensor i/N name shape  MB  MB/s` lines on stderr (or silent)."""
-
-    def __init__(self, total: int, verbose: bool = True, stream=None):
-        self.total, self.verbose, self.stream = total, verbose, stream or sys.stderr
-        self.i, self.bytes, self.t0 = 0, 0, time.perf_counter()
-
-    def step(self, name: str, shape: Iterable[int], nbytes: int) -> None:
-        self.i += 1
-        self.bytes += nbytes
-        if self.verbose:
-            dt = max(time.perf_counter() - self.t0, 1e-9)
-            print(f"tensor {self.i}/{self.total} {name} {tuple(shape)} "
-                  f"{nbytes / 1e6:.1f} MB | {self.bytes / 1e6:.0f} MB total, "
-                  f"{self.bytes / 1e6 / dt:.0f} MB/s", file=self.stream, flush=True)
+def progress_bar(total_bytes: int, desc: str, verbose: bool = True) -> tqdm:
+    """A byte-counting tqdm bar on stderr (tensors read or written; silent if not verbose).
+    Advance it with `bar.update(nbytes)`; `bar.set_postfix_str(name)` names the tensor."""
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not verbose, file=sys.stderr, dynamic_ncols=True)

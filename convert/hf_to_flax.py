@@ -1,13 +1,18 @@
 """Hugging Face LLaMA / Mistral / Qwen2 checkpoint -> cca_jax model directory (orbax).
 
-    python -m convert.hf_to_flax --hf HF_DIR --out OUT_DIR [--dtype bfloat16|float32]
+    python -m convert.hf_to_flax --hf HF_DIR --out OUT_DIR [--dtype bfloat16|float32|float16]
         [--group-size 16 --window-size 1024] [--force] [--quiet]
 
-Output: `OUT/config.json` (HF format + CCA settings under "cca_attention"), `OUT/params/`
-(orbax PyTree of our stacked parameter tree), tokenizer files copied from HF_DIR.
+Output: `OUT/config.json` (HF format + our attention settings), `OUT/params/` (orbax PyTree
+of our stacked parameter tree, see `cca_jax.checkpoint`), tokenizer files copied from HF_DIR.
+
+dtype: by default the checkpoint's own (`dtype`, or the older `torch_dtype`, in its
+config.json; else the dtype of most of its weights), so the default round trip is exact;
+`--dtype` converts (float32 -> bfloat16 rounds to nearest even, as torch does). The choice is
+printed.
 
 Streaming design (peak host memory ~ the largest STACKED parameter, not the model):
-each parameter of our tree is a `cca_jax.pretrained.LazyArray`; orbax's save builds them one
+each parameter of our tree is a `cca_jax.checkpoint.LazyArray`; orbax's save builds them one
 at a time. Building a stacked parameter (e.g. `layers.mlp.gate_proj.kernel [N, H, I]`)
 allocates the `[N, ...]` array in the target dtype and fills it layer by layer, reading ONE
 HF tensor at a time (`seek` + `readinto`, no mmap), transposing and casting it into its slot;
@@ -19,33 +24,61 @@ its cast copy, tensorstore chunk buffers). Measured (benchmarks/results/convert_
 Alternative considered: writing each layer straight into its slice of the stacked array
 (peak = one layer); not needed below ~70B, where one stacked MLP exceeds host RAM.
 
-Checks before anything is written: the config is a supported family; every expected tensor
-exists with the expected shape; no unexpected tensors remain (they would mean an unsupported
-variant). Output goes to a temporary sibling directory renamed into place at the end.
+Checks before anything is written: the output is not, does not contain and is not inside
+the input (refused even with --force); the config is a supported family; every expected
+tensor exists with the expected shape; no unexpected tensors remain (they would mean an
+unsupported variant). Output goes to a temporary sibling directory renamed into place at the
+end.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from cca_jax.checkpoint import LazyArray, save_pretrained
 from cca_jax.config import LlamaConfig
-from cca_jax.pretrained import LazyArray, save_pretrained
-from convert.hf_io import (AtomicOutputDir, ConversionError, Progress, WeightReader,
-                           copy_tokenizer_files, open_hf_weights)
+from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check_output_dir,
+                           copy_tokenizer_files, open_hf_weights, progress_bar)
 from convert.layout import ParamSpec, family_layout, param_specs
 
-OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+              "float16": np.dtype(np.float16)}
 
 
 def check_dtype(dtype: str) -> np.dtype:
     if dtype not in OUT_DTYPES:
         raise ConversionError(f"Unknown dtype {dtype!r}; supported: {sorted(OUT_DTYPES)}.")
     return OUT_DTYPES[dtype]
+
+
+def source_dtype(hf_dir: Path, reader: WeightReader) -> tuple[str, str]:
+    """(dtype name, where it was found) of a HF checkpoint: config.json's `dtype` /
+    `torch_dtype`, else the floating dtype that holds most of the weights' elements."""
+    try:
+        hf = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        hf = {}
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(hf.get(key), str) and hf[key] in OUT_DTYPES:
+            return hf[key], f"config.json {key!r}"
+    elements: dict[str, int] = {}
+    for name, dt in reader.dtypes.items():
+        if dt is not None and (np.issubdtype(dt, np.floating) or dt.name in OUT_DTYPES):
+            n = int(np.prod(reader.shapes[name], dtype=np.int64))
+            elements[np.dtype(dt).name] = elements.get(np.dtype(dt).name, 0) + n
+    if not elements:
+        raise ConversionError(f"{reader.description}: no floating-point weights; pass --dtype.")
+    name = max(elements, key=elements.get)
+    if name not in OUT_DTYPES:
+        raise ConversionError(f"{reader.description} stores {name} weights, which cca_jax does "
+                              f"not use; pass --dtype (one of {sorted(OUT_DTYPES)}).")
+    return name, "the weights"
 
 
 def validate(reader: WeightReader, specs: list[ParamSpec], cfg: LlamaConfig) -> None:
@@ -73,7 +106,7 @@ def validate(reader: WeightReader, specs: list[ParamSpec], cfg: LlamaConfig) -> 
 
 
 def build_param(reader: WeightReader, spec: ParamSpec, dtype: np.dtype,
-                progress: Progress | None = None) -> np.ndarray:
+                progress=None) -> np.ndarray:
     """Our array for one parameter, filled one HF tensor at a time."""
     out = np.empty(spec.shape, dtype)
     for i, name in enumerate(spec.hf_names()):
@@ -83,14 +116,15 @@ def build_param(reader: WeightReader, spec: ParamSpec, dtype: np.dtype,
                                   f"read {hf.shape}.")
         target = out if spec.num_layers is None else out[i]
         target[...] = spec.to_ours(hf).astype(dtype)
-        if progress:
-            progress.step(name, hf.shape, hf.nbytes)
+        if progress is not None:
+            progress.set_postfix_str(name, refresh=False)
+            progress.update(target.nbytes)
         del hf
     return out
 
 
 def lazy_params(reader: WeightReader, specs: list[ParamSpec], dtype: np.dtype,
-                progress: Progress | None = None) -> dict:
+                progress=None) -> dict:
     tree: dict = {}
     for spec in specs:
         node = tree
@@ -101,33 +135,44 @@ def lazy_params(reader: WeightReader, specs: list[ParamSpec], dtype: np.dtype,
     return tree
 
 
-def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str = "bfloat16",
+def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str | None = None,
                        group_size: int | None = None, window_size: int | None = None,
                        force: bool = False, verbose: bool = True) -> Path:
     """Convert; returns the output directory. Raises before writing on bad input.
 
-    `group_size` / `window_size` default to the CCA settings recorded in config.json (a
-    checkpoint exported by flax_to_hf keeps them), else to 16 / 1024.
+    `dtype`: default the checkpoint's own (see the module docstring). `group_size` /
+    `window_size` default to the CCA settings recorded in config.json (a checkpoint exported
+    by flax_to_hf keeps them), else to LlamaConfig's defaults.
     """
     hf_dir = Path(hf_dir)
-    np_dtype = check_dtype(dtype)
+    if dtype is not None:
+        check_dtype(dtype)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"--hf {hf_dir} is not a directory.")
-    cca = {f"cca_{k}": v for k, v in (("group_size", group_size), ("window_size", window_size))
-           if v is not None}
-    cfg = LlamaConfig.from_pretrained_dir(hf_dir, param_dtype=dtype, dtype=dtype, **cca)
+    check_output_dir(out_dir, [hf_dir], force)
+    attention = {k: v for k, v in (("group_size", group_size), ("window_size", window_size))
+                 if v is not None}
+    cfg = LlamaConfig.from_pretrained_dir(hf_dir, **attention)
     reader = open_hf_weights(hf_dir)
+    if dtype is None:
+        dtype, found_in = source_dtype(hf_dir, reader)
+    else:
+        found_in = "--dtype"
+    np_dtype = check_dtype(dtype)
+    cfg = cfg.replace(param_dtype=dtype, dtype=dtype)
     specs = param_specs(cfg)
     validate(reader, specs, cfg)
-    total = sum(len(s.hf_names()) for s in specs)
-    progress = Progress(total, verbose)
-    with AtomicOutputDir(out_dir, force) as tmp:
-        save_pretrained(tmp, lazy_params(reader, specs, np_dtype, progress), cfg)
+    if verbose:
+        print(f"dtype: {dtype} (from {found_in})", file=sys.stderr)
+    n_tensors = sum(len(s.hf_names()) for s in specs)
+    total = sum(int(np.prod(s.shape, dtype=np.int64)) for s in specs) * np_dtype.itemsize
+    with AtomicOutputDir(out_dir, [hf_dir], force) as tmp, \
+            progress_bar(total, "hf_to_flax", verbose) as bar:
+        save_pretrained(tmp, lazy_params(reader, specs, np_dtype, bar), cfg)
         copied = copy_tokenizer_files(hf_dir, tmp)
     if verbose:
-        print(f"wrote {out_dir}: {total} HF tensors -> {len(specs)} parameters ({dtype}), "
-              f"{progress.bytes / 1e9:.2f} GB read; tokenizer files: {copied or 'none'}",
-              file=sys.stderr)
+        print(f"wrote {out_dir}: {n_tensors} HF tensors -> {len(specs)} parameters ({dtype}), "
+              f"{total / 1e6:.1f} MB; tokenizer files: {copied or 'none'}", file=sys.stderr)
     return Path(out_dir)
 
 
@@ -136,12 +181,14 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--out", required=True, help="output directory (must not exist)")
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    ap.add_argument("--dtype", default=None, choices=sorted(OUT_DTYPES),
+                    help="parameter dtype (default: the checkpoint's own)")
     ap.add_argument("--group-size", type=int, default=None,
                     help="CCA group size g (default: config.json's, else 16)")
     ap.add_argument("--window-size", type=int, default=None,
                     help="CCA local window s (default: config.json's, else 1024)")
-    ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    ap.add_argument("--force", action="store_true",
+                    help="replace an existing --out (never one that overlaps --hf)")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     a = ap.parse_args(argv)
     try:
