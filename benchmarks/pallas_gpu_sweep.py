@@ -28,8 +28,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.measure import median_ms, rel_l2  # noqa: E402
 from cca_jax.attention import cca_attention_xla  # noqa: E402
-from cca_jax.attention.pooling import pool_core_tokens  # noqa: E402
+from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 from cca_jax import blocks  # noqa: E402
+from cca_jax.padding import softmax_delta  # noqa: E402
 from pallas_kernels.gpu import cca_attention_pallas_gpu, kernel_config  # noqa: E402
 from pallas_kernels.gpu import kernels as K  # noqa: E402
 
@@ -109,13 +110,8 @@ def check(shapes, interpret, budget):
 
 def kernel_inputs(length, hq, hkv, d, g, s, cfg):
     q, k, v, ct = inputs(1, 1, length, hq, hkv, d)
-    m = blocks.num_pooled_groups(length, g, s)
-    r = blocks.row_ranges(length, g, s)
-    ck, cv = pool_core_tokens(q, k, v, group_size=g, num_groups=m)
-    bounds = tuple(jnp.broadcast_to(x, (1, length)).astype(jnp.int32)
-                   for x in (r.raw_lo, r.core_lo, r.core_hi))
-    padded = K._padded(q, k, v, ck, cv, *bounds, cfg)
-    return padded, ct
+    prepared = core_tokens_and_bounds(q, k, v, group_size=g, window_size=s, pooling="cca")
+    return K._padded(q, k, v, *prepared, cfg), ct
 
 
 def backward_kernels(padded, ct, cfg):
@@ -124,7 +120,7 @@ def backward_kernels(padded, ct, cfg):
     qp, kp, vp, ckp, cvp, rlo, clo, chi = padded
     out, lse = jax.jit(lambda *a: K._forward(*a, cfg))(*padded)
     do = ct.astype(qp.dtype)
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
+    delta = softmax_delta(do, out)
     last_row = blocks.raw_key_rows(rlo)
     first_row, end_row = blocks.core_slot_rows(clo, chi, ckp.shape[1])
     return {"dq": (K._dq, (qp, kp, vp, ckp, cvp, do, lse, delta, rlo, clo, chi)),
@@ -137,7 +133,7 @@ def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
     raw = raw_scores(length, g, s)
     flop = 4 * d * hq
     best_fwd, best = None, {}
-    base = kernel_config(g, s, d, interpret=interpret)
+    base = kernel_config(interpret=interpret)
     padded, ct = kernel_inputs(length, hq, hkv, d, g, s, base)
     qp, kp, vp, ckp, cvp, rlo, clo, chi = padded
     no_core = jnp.zeros_like(clo)

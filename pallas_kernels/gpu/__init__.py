@@ -1,7 +1,9 @@
-"""CCA attention kernels for NVIDIA GPUs through Pallas' Triton lowering."""
+"""Attention kernels for NVIDIA GPUs through Pallas' Triton lowering."""
 
-from pallas_kernels.gpu.api import cca_attention_pallas_gpu, kernel_config
-from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention
+from pallas_kernels.gpu.api import (blocked_attention_pallas_gpu, cca_attention_pallas_gpu,
+                                    kernel_config)
+from pallas_kernels.gpu.kernels import (LOOP_STYLES, SUPPORTED_HEAD_DIMS, KernelConfig,
+                                        cca_core_attention)
 
-__all__ = ["cca_attention_pallas_gpu", "kernel_config", "KernelConfig", "cca_core_attention",
-           "SUPPORTED_HEAD_DIMS"]
+__all__ = ["blocked_attention_pallas_gpu", "cca_attention_pallas_gpu", "kernel_config",
+           "KernelConfig", "LOOP_STYLES", "cca_core_attention", "SUPPORTED_HEAD_DIMS"]

@@ -1,4 +1,10 @@
-"""Public entry of the Pallas GPU (Triton lowering) CCA kernels."""
+"""Public entries of the Pallas GPU (Triton lowering) kernels.
+
+`blocked_attention_pallas_gpu` runs one softmax per row over raw keys `[raw_lo, t]` and slots
+`[core_lo, core_hi)` of prepared keys/values: every attention option of the model (full,
+sliding, streaming, CCA) is such a pattern. `cca_attention_pallas_gpu` prepares CCA's core
+tokens and bounds and calls it.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,15 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.attention.pooling import core_tokens_and_bounds
-from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention
+from pallas_kernels.gpu.kernels import (SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention,
+                                        check_config)
 
 _POW2 = (16, 32, 64, 128, 256)
 _MAX_ELEMS = 2**31 - 1
 
 
 def _check_block(name: str, value) -> None:
-    if value is not None and value not in _POW2:
+    if value not in _POW2:
         raise ValueError(f"{name} must be one of {_POW2} (a power of two), got {value!r}.")
 
 
@@ -25,63 +32,85 @@ _FLOAT32_TILING = dict(block_q=64, block_k=32, num_warps=8, num_stages=2,
                        dc_block_k=64, dc_block_q=32, dc_num_warps=8, dc_num_stages=2)
 
 
-def kernel_config(group_size: int, window_size: int, head_dim: int, *, dtype=None,
-                  block_q=None, block_k=None, num_warps=None, num_stages=None,
-                  interpret: bool = False, **backward) -> KernelConfig:
-    """Tiling for the four kernels; keyword overrides for any KernelConfig field.
+def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelConfig:
+    """The KernelConfig for inputs of `dtype`, with `fields` overriding any of its fields.
 
-    Defaults (KernelConfig) are for 2-byte inputs; float32 inputs get smaller tiles.
+    Defaults (KernelConfig) are for 2-byte inputs; float32 inputs get smaller tiles. None
+    values are ignored (callers may pass optional settings through).
     """
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        _check_block(name, value)
-    for name, value in backward.items():
-        if name not in KernelConfig._fields or name in ("group_size", "window_size"):
+    fields = {name: value for name, value in fields.items() if value is not None}
+    for name, value in fields.items():
+        if name not in KernelConfig._fields or name == "interpret":
             raise ValueError(f"unknown kernel setting {name!r}.")
         if "block" in name:
             _check_block(name, value)
-    fwd = dict(_FLOAT32_TILING) if dtype is not None and jnp.dtype(dtype).itemsize > 2 else {}
-    fwd.update({name: value for name, value in (("block_q", block_q), ("block_k", block_k),
-                                                ("num_warps", num_warps),
-                                                ("num_stages", num_stages))
-                if value is not None})
-    fwd.update(backward)
-    return KernelConfig(group_size, window_size, interpret=interpret, **fwd)
+    tiling = dict(_FLOAT32_TILING) if dtype is not None and jnp.dtype(dtype).itemsize > 2 else {}
+    tiling.update(fields)
+    return check_config(KernelConfig(interpret=bool(interpret), **tiling))
 
 
-def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
-                             pooling: str = "cca", segment_ids=None, block_q=None, block_k=None,
-                             num_warps=None, num_stages=None, interpret=None, **backward):
-    """CCA attention (SPEC.md) through Pallas' Triton lowering; result as `cca_attention_xla`.
-
-    q: `[B, L, Hq, D]`, k, v: `[B, L, Hkv, D]` with D in (64, 128). block_q/block_k,
-    num_warps/num_stages tile the forward kernel; `backward` takes the other KernelConfig
-    fields (dq_block_q, dkv_block_k, ...). interpret defaults to True on the CPU backend.
-    """
-    d = q.shape[-1]
+def _check_head_dim(d: int) -> None:
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"implementation='pallas_gpu' supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
             "use implementation='xla' (or 'auto', which falls back to it).")
+
+
+def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, interpret=None,
+                                 **tiling):
+    """One softmax per row over raw keys and slots, through Pallas' Triton lowering.
+
+    q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (Hq a multiple of Hkv; query head h uses KV
+    head h // (Hq / Hkv)); ck, cv: `[B, m, Hq, D]` prepared slot keys/values per query head
+    (CCA's core tokens, streaming's sinks; m may be 0); raw_lo, core_lo, core_hi: int `[B, L]`.
+    Row t sees raw keys `[raw_lo[t], t]` (raw_lo[t] <= t) and slots `[core_lo[t], core_hi[t])`;
+    all three must be non-decreasing along t. D in (64, 128). `tiling`: KernelConfig field
+    overrides (block_q=..., dq_block_k=..., forward_loop_style=...; see `kernel_config`).
+    interpret defaults to True on the CPU backend. Differentiable in q, k, v, ck and cv.
+    """
+    b, length, hq, d = q.shape
+    _check_head_dim(d)
+    hkv = k.shape[2]
+    if k.shape != (b, length, hkv, d) or v.shape != k.shape or hq % hkv:
+        raise ValueError(f"k and v must be [B, L, Hkv, D] with Hq a multiple of Hkv; got q "
+                         f"{q.shape}, k {k.shape}, v {v.shape}.")
+    if ck.ndim != 4 or ck.shape[0] != b or ck.shape[2:] != (hq, d) or cv.shape != ck.shape:
+        raise ValueError(f"ck and cv must be [B, m, Hq, D]; got {ck.shape} and {cv.shape} for "
+                         f"q {q.shape}.")
+    bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
+    if any(x.shape != (b, length) for x in bounds):
+        raise ValueError(f"raw_lo, core_lo and core_hi must be [B, L] = {(b, length)}; got "
+                         f"{[x.shape for x in bounds]}.")
+    bounds = tuple(x.astype(jnp.int32) for x in bounds)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    b, length = q.shape[:2]
-    cfg = kernel_config(group_size, window_size, d, dtype=q.dtype, block_q=block_q,
-                        block_k=block_k,
-                        num_warps=num_warps, num_stages=num_stages,
-                        interpret=bool(interpret), **backward)
-    ck, cv, *bounds = core_tokens_and_bounds(q, k, v, group_size=group_size,
-                                             window_size=window_size, pooling=pooling,
-                                             segment_ids=segment_ids)
+    cfg = kernel_config(q.dtype, interpret=interpret, **tiling)
     # The Triton lowering computes element offsets in int32: keep every array a kernel sees
     # (padded rows included) under 2**31 elements by running batch rows in chunks.
-    row_elems = (length + cfg.row_multiple) * q.shape[2] * d
+    row_elems = (length + cfg.row_multiple) * hq * d
     if row_elems >= _MAX_ELEMS:
         raise ValueError(
             f"implementation='pallas_gpu' needs L * Hq * head_dim < 2**31 per batch row (int32 "
-            f"offsets), got L={length}, Hq={q.shape[2]}, D={d}; use implementation='xla'.")
+            f"offsets), got L={length}, Hq={hq}, D={d}; use implementation='xla'.")
     chunk = max(1, _MAX_ELEMS // row_elems)
+    args = (q, k, v, ck, cv, *bounds)
     if b <= chunk:
-        return cca_core_attention(q, k, v, ck, cv, *bounds, cfg)
-    outs = [cca_core_attention(*(x[i:i + chunk] for x in (q, k, v, ck, cv, *bounds)), cfg)
+        return cca_core_attention(*args, cfg)
+    outs = [cca_core_attention(*(x[i:i + chunk] for x in args), cfg)
             for i in range(0, b, chunk)]
     return jnp.concatenate(outs, axis=0)
+
+
+def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
+                             pooling: str = "cca", segment_ids=None, interpret=None, **tiling):
+    """CCA attention (SPEC.md) through Pallas' Triton lowering; result as `cca_attention_xla`.
+
+    q: `[B, L, Hq, D]`, k, v: `[B, L, Hkv, D]` with D in (64, 128). `tiling`: KernelConfig
+    field overrides (block_q, block_k, num_warps, num_stages tile the forward kernel;
+    dq_block_q, dkv_block_k, ... the backward ones). interpret defaults to True on the CPU
+    backend.
+    """
+    _check_head_dim(q.shape[-1])   # before pooling: a clear error, not a kernel failure
+    prepared = core_tokens_and_bounds(q, k, v, group_size=group_size, window_size=window_size,
+                                      pooling=pooling, segment_ids=segment_ids)
+    return blocked_attention_pallas_gpu(q, k, v, *prepared, interpret=interpret, **tiling)

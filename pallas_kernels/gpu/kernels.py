@@ -7,7 +7,7 @@ blocks (padded rows see only their own zero key, so every loaded value is finite
 interpret mode nothing is ever read out of bounds).
 
 Kernels (grid dims: block, head, batch, at most 3 as the Triton lowering requires; launch order
-heavy first where that measured faster, see `_FORWARD_HEAVY_FIRST`):
+heavy first where that measured faster, see `KernelConfig.forward_heavy_first`):
   forward   per (query block, query head): ONE online softmax, base 2, over the raw-window
             key blocks first (every row sees its own key, so the running max is finite
             before any fully masked block) and then the core blocks; only edge blocks
@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from cca_jax import blocks
+from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 
 # Masked scores are -inf, so exp2(score * scale - shift) is exactly 0 for them whatever the
 # (finite) shift; the running max starts finite, so a fully masked block leaves it finite and
@@ -51,9 +52,9 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 class KernelConfig(NamedTuple):
-    """Static tiling of all four kernels (hashable: a custom_vjp non-diff argument)."""
-    group_size: int
-    window_size: int
+    """Static tiling, block walks and launch orders of all four kernels (hashable: a
+    custom_vjp non-diff argument; every field is read when the kernels trace, so a jit cache
+    keyed on the config sees every change)."""
     # Defaults: the fastest tiling of the H200 sweep at L = 131072, Hq = Hkv = 32, D = 128,
     # bf16 (benchmarks/results/pallas_gpu_h200.md); each fits sm_90's shared memory.
     block_q: int = 128          # forward
@@ -72,6 +73,26 @@ class KernelConfig(NamedTuple):
     dc_block_q: int = 64
     dc_num_warps: int = 8
     dc_num_stages: int = 3
+    # How each kernel walks its blocks (a key of LOOP_STYLES): the faster of the two per
+    # kernel on the H200 (benchmarks/research/pallas_gpu_loop_styles.py,
+    # results/research/pallas_gpu_loop_styles_h200.jsonl): one loop with a branch saves the
+    # forward 6% at 32K (3.08 vs 3.27 ms; equal at 128K), while the backward kernels are 1-4%
+    # faster with split loops. key_loop_style: the dk/dv and dck/dcv kernels.
+    forward_loop_style: str = "cond"
+    dq_loop_style: str = "split"
+    key_loop_style: str = "split"
+    # Launch order. CTAs start in grid order, and a query block's work grows along the
+    # sequence while a core block's shrinks, so the last CTAs launched can be a kernel's
+    # heaviest and run on alone. Heavy first: the forward and dq take query blocks last to
+    # first; dck/dcv puts the heads on the fastest grid axis, so every head's heaviest core
+    # blocks start together (a 132-SM greedy schedule of the work per CTA predicted tails of
+    # 5.9% at 128K and 30% at 32K). H200, Hq = Hkv = 32, kernel alone, off vs on
+    # (benchmarks/results/research/pallas_gpu_variants_h200.jsonl): forward 25.48 vs 25.30 ms
+    # at 128K, 3.17 vs 3.15 at 32K; dck/dcv 36.69 vs 34.77 and 2.90 vs 2.41; dq 30.74 vs 31.15
+    # and 3.57 vs 3.64, so dq keeps the plain order.
+    forward_heavy_first: bool = True
+    dq_heavy_first: bool = False
+    dcore_heavy_first: bool = True
     interpret: bool = False
 
     @property
@@ -82,10 +103,6 @@ class KernelConfig(NamedTuple):
     @property
     def slot_multiple(self) -> int:
         return max(self.block_k, self.dq_block_k, self.dc_block_k)
-
-
-def _round_up(x: int, n: int) -> int:
-    return -(-x // n) * n
 
 
 def _params(num_warps: int, num_stages: int):
@@ -115,25 +132,23 @@ def _cond_loops(bounds, body, carry):
     return lax.fori_loop(first, last, step, carry)
 
 
-# How each kernel walks its blocks: the faster of the two per kernel on the H200
-# (benchmarks/pallas_gpu_loop_styles.py, results/pallas_gpu_loop_styles_h200.jsonl): one
-# loop with a branch saves the forward 6% at 32K (3.08 vs 3.27 ms; equal at 128K), while the
-# backward kernels are 1-4% faster with split loops.
-_FORWARD_LOOPS = _cond_loops
-_DQ_LOOPS = _split_loops
-_KEY_LOOPS = _split_loops
+# Block walks by name (KernelConfig.*_loop_style): three loops (masked edge, unmasked middle,
+# masked edge) or one loop whose edge iterations mask behind a uniform branch.
+LOOP_STYLES = {"split": _split_loops, "cond": _cond_loops}
+_LOOP_STYLE_FIELDS = ("forward_loop_style", "dq_loop_style", "key_loop_style")
+_HEAVY_FIRST_FIELDS = ("forward_heavy_first", "dq_heavy_first", "dcore_heavy_first")
 
-# Launch order. CTAs start in grid order, and a query block's work grows along the sequence
-# while a core block's shrinks, so the last CTAs launched can be a kernel's heaviest and run
-# on alone. Heavy first: the forward takes query blocks last to first; dck/dcv puts the heads
-# on the fastest grid axis, so every head's heaviest core blocks start together (a 132-SM
-# greedy schedule of the work per CTA predicted tails of 5.9% at 128K and 30% at 32K). H200,
-# Hq = Hkv = 32, kernel alone, off vs on (benchmarks/results/pallas_gpu_variants_h200.jsonl):
-# forward 25.48 vs 25.30 ms at 128K, 3.17 vs 3.15 at 32K; dck/dcv 36.69 vs 34.77 and 2.90 vs
-# 2.41; dq 30.74 vs 31.15 and 3.57 vs 3.64, so dq keeps the plain order.
-_FORWARD_HEAVY_FIRST = True
-_DQ_HEAVY_FIRST = False
-_DCORE_HEAVY_FIRST = True
+
+def check_config(cfg: KernelConfig) -> KernelConfig:
+    """`cfg` if its walk and launch-order fields are valid, else ValueError."""
+    for name in _LOOP_STYLE_FIELDS:
+        if getattr(cfg, name) not in LOOP_STYLES:
+            raise ValueError(f"{name} must be one of {sorted(LOOP_STYLES)}, "
+                             f"got {getattr(cfg, name)!r}.")
+    for name in _HEAVY_FIRST_FIELDS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+    return cfg
 
 
 def _query_block(i, num_blocks, heavy_first: bool):
@@ -213,8 +228,9 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
 # ---- forward -----------------------------------------------------------------------------
 
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
-                o_ref, lse_ref, *, block_q: int, block_k: int, scale: float):
-    r0 = _query_block(pl.program_id(0), pl.num_programs(0), _FORWARD_HEAVY_FIRST) * block_q
+                o_ref, lse_ref, *, block_q: int, block_k: int, scale: float, loops,
+                heavy_first: bool):
+    r0 = _query_block(pl.program_id(0), pl.num_programs(0), heavy_first) * block_q
     q = q_ref[...]
     c = scale * _LOG2E
     d = q.shape[-1]
@@ -233,7 +249,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
              jnp.zeros((block_q,), jnp.float32))
     carry = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref,
                                  chi_ref, block_k=block_k, step=step, carry=carry,
-                                 loops=_FORWARD_LOOPS)
+                                 loops=loops)
     acc, m_i, l_i = carry
     l_i = jnp.maximum(l_i, 1e-30)   # every row sees its own key: l >= 1; guard anyway
     o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
@@ -246,9 +262,11 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     hkv, mp = k.shape[2], ck.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     kvh = _kv_head_map(hq // hkv)
-    kernel = functools.partial(_fwd_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
+    kernel = functools.partial(_fwd_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d),
+                               loops=LOOP_STYLES[cfg.forward_loop_style],
+                               heavy_first=cfg.forward_heavy_first)
     nq = lp // bq
-    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=_FORWARD_HEAVY_FIRST)
+    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=cfg.forward_heavy_first)
     row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, qb(i)))
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, qb(i), h, 0))
     return pl.pallas_call(
@@ -277,8 +295,9 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
 # ---- backward: dq --------------------------------------------------------------------------
 
 def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
-               rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float):
-    r0 = _query_block(pl.program_id(0), pl.num_programs(0), _DQ_HEAVY_FIRST) * block_q
+               rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float,
+               loops, heavy_first: bool):
+    r0 = _query_block(pl.program_id(0), pl.num_programs(0), heavy_first) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     c = scale * _LOG2E
@@ -291,7 +310,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
 
     dq = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, chi_ref,
                               block_k=block_k, step=step,
-                              carry=jnp.zeros(q.shape, jnp.float32), loops=_DQ_LOOPS)
+                              carry=jnp.zeros(q.shape, jnp.float32), loops=loops)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -300,9 +319,11 @@ def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelCo
     hkv, mp = k.shape[2], ck.shape[1]
     bq, bk = cfg.dq_block_q, cfg.dq_block_k
     kvh = _kv_head_map(hq // hkv)
-    kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d))
+    kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d),
+                               loops=LOOP_STYLES[cfg.dq_loop_style],
+                               heavy_first=cfg.dq_heavy_first)
     nq = lp // bq
-    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=_DQ_HEAVY_FIRST)
+    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=cfg.dq_heavy_first)
     row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, qb(i)))
     head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, qb(i)))
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, qb(i), h, 0))
@@ -340,7 +361,7 @@ def _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv):
 
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_row_ref,
                 dk_ref, dv_ref, *, block_q: int, block_k: int, groups: int, head_dim: int,
-                padded_len: int, scale: float):
+                padded_len: int, scale: float, loops):
     k0 = pl.program_id(0) * block_k
     keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
     kb, vb = k_ref[...], v_ref[...]
@@ -364,7 +385,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_r
                                  s_t, _MASKED)
             s_t = _apply_mask(masked, mask, s_t)
             return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
-        return _KEY_LOOPS(bounds, body, carry)
+        return loops(bounds, body, carry)
 
     zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
     if groups == 1:
@@ -386,7 +407,8 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
     lseg = lse.reshape(b, hkv, groups * lp)
     deltag = delta.reshape(b, hkv, groups * lp)
     kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk, groups=groups,
-                               head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d))
+                               head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d),
+                               loops=LOOP_STYLES[cfg.key_loop_style])
     whole_q = pl.BlockSpec((None, lp, None, groups * d), lambda i, h, z: (z, 0, h, 0))
     whole_rows = pl.BlockSpec((None, None, groups * lp), lambda i, h, z: (z, h, 0))
     k_block = pl.BlockSpec((None, bk, None, d), lambda i, h, z: (z, i, h, 0))
@@ -409,8 +431,8 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
 
 def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, cv_ref,
                   first_row_ref, end_row_ref, dck_ref, dcv_ref, *, block_q: int, block_c: int,
-                  scale: float):
-    c0 = pl.program_id(1 if _DCORE_HEAVY_FIRST else 0) * block_c
+                  scale: float, loops, heavy_first: bool):
+    c0 = pl.program_id(1 if heavy_first else 0) * block_c
     slots = c0 + jnp.arange(block_c, dtype=jnp.int32)
     kb, vb = ck_ref[...], cv_ref[...]
     c = scale * _LOG2E
@@ -434,8 +456,8 @@ def _dcore_kernel(q_ref, do_ref, lse_ref, delta_ref, clo_ref, chi_ref, ck_ref, c
         s_t = _apply_mask(masked, mask, s_t)
         return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
 
-    dk, dv = _KEY_LOOPS(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
-                                         jnp.zeros(vb.shape, jnp.float32)))
+    dk, dv = loops(bounds, body, (jnp.zeros(kb.shape, jnp.float32),
+                                  jnp.zeros(vb.shape, jnp.float32)))
     dck_ref[...] = (dk * scale).astype(dck_ref.dtype)
     dcv_ref[...] = dv.astype(dcv_ref.dtype)
 
@@ -446,11 +468,12 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
     mp = ck.shape[1]
     bc, bq = cfg.dc_block_k, cfg.dc_block_q
     kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
-                               scale=1.0 / math.sqrt(d))
+                               scale=1.0 / math.sqrt(d), loops=LOOP_STYLES[cfg.key_loop_style],
+                               heavy_first=cfg.dcore_heavy_first)
     # Grid (core block, head, batch), or (head, core block, batch) when heavy first; the
     # index maps see (core block, head, batch) either way.
     grid, ids = (mp // bc, hq, b), (lambda i, h, z: (i, h, z))
-    if _DCORE_HEAVY_FIRST:
+    if cfg.dcore_heavy_first:
         grid, ids = (hq, mp // bc, b), (lambda h, i, z: (i, h, z))
 
     def spec(shape, index):
@@ -476,28 +499,12 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
 
 # ---- padding and the custom VJP ----------------------------------------------------------------
 
-def _pad_rows(x, total: int):
-    extra = total - x.shape[1]
-    if extra == 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (0, extra)
-    return jnp.pad(x, pad)
-
-
 def _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     """Zero-pad rows to whole blocks; padded rows see only themselves (bounds stay monotone)."""
-    b, length = q.shape[:2]
-    lp = _round_up(length, cfg.row_multiple)
-    mp = _round_up(max(ck.shape[1], 1), cfg.slot_multiple)
-    extra = lp - length
-    if extra:
-        pad_rows = jnp.broadcast_to(jnp.arange(length, lp, dtype=jnp.int32), (b, extra))
-        raw_lo = jnp.concatenate([raw_lo, pad_rows], axis=1)
-        core_lo = jnp.pad(core_lo, ((0, 0), (0, extra)), mode="edge")
-        core_hi = jnp.pad(core_hi, ((0, 0), (0, extra)), mode="edge")
-    return (_pad_rows(q, lp), _pad_rows(k, lp), _pad_rows(v, lp), _pad_rows(ck, mp),
-            _pad_rows(cv, mp), raw_lo, core_lo, core_hi)
+    lp = round_up(q.shape[1], cfg.row_multiple)
+    mp = round_up(max(ck.shape[1], 1), cfg.slot_multiple)
+    return (pad_rows(q, lp), pad_rows(k, lp), pad_rows(v, lp), pad_rows(ck, mp),
+            pad_rows(cv, mp), *pad_row_bounds(raw_lo, core_lo, core_hi, lp))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -507,6 +514,7 @@ def cca_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelCon
 
 
 def _cca_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg):
+    check_config(cfg)
     length = q.shape[1]
     padded = _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg)
     out, lse = _forward(*padded, cfg)
@@ -521,9 +529,8 @@ def _cca_bwd(cfg, residuals, dout):
                                                   cfg)
     lp, mp = qp.shape[1], ckp.shape[1]
     # delta = rowsum(dO * O) [B, Hq, Lp]; the scale of the log2 softmax cancels in dS.
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, lp - length)))
-    dop = _pad_rows(dout.astype(q.dtype), lp)
+    delta = jnp.pad(softmax_delta(dout, out), ((0, 0), (0, 0), (0, lp - length)))
+    dop = pad_rows(dout.astype(q.dtype), lp)
     last_row = blocks.raw_key_rows(rlo)
     first_row, end_row = blocks.core_slot_rows(clo, chi, mp)
     dq = _dq(qp, kp, vp, ckp, cvp, dop, lse, delta, rlo, clo, chi, cfg)

@@ -1,6 +1,6 @@
 """On the H200: how fast jax's own Mosaic GPU (FA3-style) flash attention runs here.
 
-    python benchmarks/mosaic_gpu_probe.py [--lengths 32768,131072] > records.jsonl
+    python benchmarks/research/mosaic_gpu_probe.py [--lengths 32768,131072] > records.jsonl
 
 Not a CCA kernel: a measurement behind "what would close the gap" in
 `results/pallas_gpu_h200_notes.md`. It times `jax.experimental.pallas.ops.gpu.attention_mgpu`
@@ -21,7 +21,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.measure import median_ms, rel_l2  # noqa: E402
 
 

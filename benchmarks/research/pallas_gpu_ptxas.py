@@ -1,6 +1,6 @@
 """Offline resource check of the Pallas GPU kernels for sm_90 (H100/H200), no GPU needed.
 
-    python benchmarks/pallas_gpu_ptxas.py --triton-python /tmp/tenv/bin/python \
+    python benchmarks/research/pallas_gpu_ptxas.py --triton-python /tmp/tenv/bin/python \
         [--configs '{"dkv_block_q": 32}' ...] [--dtype bfloat16] [--d 128] [--hkv 32]
 
 1. Cross-lowers fwd+bwd for CUDA with the current jax (works on a CPU-only machine) and
@@ -50,6 +50,8 @@ print(json.dumps({"shared_kib": k.metadata.shared / 1024, "regs": int(regs.group
                   "wgmma": ptx.count("wgmma.mma_async") > 0}))
 '''
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 _KERNELS = {"cca_fwd": ("num_warps", "num_stages"),
             "cca_bwd_dq": ("dq_num_warps", "dq_num_stages"),
             "cca_bwd_dkv": ("dkv_num_warps", "dkv_num_stages"),
@@ -62,7 +64,7 @@ def dump_ttir(overrides: dict, dtype: str, d: int, hkv: int, out_dir: str) -> di
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, _REPO)
     from pallas_kernels.gpu import cca_attention_pallas_gpu
 
     paths = {}
@@ -102,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, _REPO)
     import jax.numpy as jnp
     from pallas_kernels.gpu import kernel_config
 
@@ -113,7 +115,7 @@ def main(argv=None):
             f.write(_COMPILE)
         for i, text in enumerate(args.configs):
             overrides = json.loads(text)
-            cfg = kernel_config(16, 1024, args.d, dtype=jnp.dtype(args.dtype), **overrides)
+            cfg = kernel_config(jnp.dtype(args.dtype), **overrides)
             sub = os.path.join(tmp, str(i))
             os.makedirs(sub)
             paths = dump_ttir(overrides, args.dtype, args.d, args.hkv, sub)

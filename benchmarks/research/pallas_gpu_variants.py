@@ -1,12 +1,12 @@
 """On the H200: launch order (heavy first or not) and two 2-CTA-per-SM forward tilings.
 
-    python benchmarks/pallas_gpu_variants.py [--lengths 131072,32768] [--budget-s 240] \
+    python benchmarks/research/pallas_gpu_variants.py [--lengths 131072,32768] [--budget-s 240] \
         > records.jsonl
 
 Per length (Hq = Hkv = 32, D = 128, g = 16, s = 1024, bf16, default tiling):
 - the forward, dq and dck/dcv kernels alone with the heavy-first launch order off and on
-  (`kernels._FORWARD_HEAVY_FIRST` etc.; the outputs must be bit-identical: only the order of
-  the CTAs changes);
+  (KernelConfig `forward_heavy_first`, `dq_heavy_first`, `dcore_heavy_first`; the outputs
+  must be bit-identical: only the order of the CTAs changes);
 - the forward with 64 x 64 tiles, 4 warps, 3 and 2 stages (112 and 80 KiB of shared memory:
   two CTAs fit an SM, so one's softmax can overlap the other's matmuls);
 - the XLA pooling alone, forward and forward+backward (what the end-to-end time adds).
@@ -24,7 +24,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks import pallas_gpu_sweep as S  # noqa: E402
 from benchmarks.measure import median_ms  # noqa: E402
 from cca_jax import blocks  # noqa: E402
@@ -35,12 +36,9 @@ from pallas_kernels.gpu import kernels as K  # noqa: E402
 TWO_PER_SM_TILINGS = [(64, 64, 4, 3), (64, 64, 4, 2)]
 
 
-def _orders():
-    return K._FORWARD_HEAVY_FIRST, K._DQ_HEAVY_FIRST, K._DCORE_HEAVY_FIRST
-
-
-def _set_orders(flags) -> None:
-    K._FORWARD_HEAVY_FIRST, K._DQ_HEAVY_FIRST, K._DCORE_HEAVY_FIRST = flags
+def _ordered(cfg, heavy_first: bool):
+    return cfg._replace(forward_heavy_first=heavy_first, dq_heavy_first=heavy_first,
+                        dcore_heavy_first=heavy_first)
 
 
 def launch_order(length, hq, hkv, d, g, s, base):
@@ -49,14 +47,13 @@ def launch_order(length, hq, hkv, d, g, s, base):
     backward = S.backward_kernels(padded, ct, base)   # the order is read when a kernel traces
     kernels = {"fwd": (K._forward, padded), "dq": backward["dq"], "dc": backward["dc"]}
     outputs = {}
-    defaults = _orders()
     for heavy_first in (False, True):
-        _set_orders((heavy_first,) * 3)
+        cfg = _ordered(base, heavy_first)
         for name, (fn, args) in kernels.items():
             rec = {"what": "launch_order", "L": length, "kernel": name,
                    "heavy_first": heavy_first}
             try:
-                f = jax.jit(lambda *a, fn=fn: fn(*a, base))
+                f = jax.jit(lambda *a, fn=fn, cfg=cfg: fn(*a, cfg))
                 out = jax.block_until_ready(f(*args))
                 if name in outputs:   # same math in another CTA order: bit-identical
                     rec["max_diff_vs_other_order"] = max(
@@ -67,7 +64,6 @@ def launch_order(length, hq, hkv, d, g, s, base):
             except Exception as e:  # noqa: BLE001  (record and go on)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             S.log(rec)
-    _set_orders(defaults)
     return padded
 
 
@@ -114,7 +110,7 @@ def main(argv=None):
             S.log({"L": length, "skipped": "budget"})
             continue
         hq, hkv, d, g, s = (2, 2, 64, 4, 40) if cpu else (32, 32, 128, 16, 1024)
-        base = kernel_config(g, s, d, interpret=cpu)
+        base = kernel_config(interpret=cpu)
         padded = launch_order(length, hq, hkv, d, g, s, base)
         tilings = [(32, 32, 4, 2)] if cpu else TWO_PER_SM_TILINGS
         forward_tilings(length, hq, d, g, s, base, padded, tilings)

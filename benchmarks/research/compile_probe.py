@@ -1,6 +1,7 @@
 """Where XLA's GPU compile time goes at long L: lower and compile (no run) one program.
 
-    python benchmarks/compile_probe.py --what cca_xla_fwd,pooling_fwd --lengths 32768,131072
+    python benchmarks/research/compile_probe.py --what cca_xla_fwd,pooling_fwd \
+        --lengths 32768,131072
 
 Prints one JSON line per (program, L): seconds to trace+lower and to compile. Run it with
 `XLA_FLAGS=--xla_dump_to=DIR` and/or `TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=...` to see
@@ -18,7 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from cca_jax.attention import cca_attention  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 
