@@ -225,6 +225,36 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
                  loop_body(ck_ref, cv_ref, core_visible), carry)
 
 
+class _QuerySpecs(NamedTuple):
+    """Grid and BlockSpecs of a kernel over (query block, query head, batch)."""
+    grid: tuple
+    q: pl.BlockSpec           # [bq, D] rows of one query head (q, dO, out, dq)
+    rows: pl.BlockSpec        # [bq] per-row bounds
+    head_rows: pl.BlockSpec   # [bq] per-(head, row) values (lse, delta)
+    kv: pl.BlockSpec          # the whole sequence of the head's KV head
+    core: pl.BlockSpec        # all core slots of the head
+
+
+def _query_specs(q, k, ck, block_q: int, heavy_first: bool) -> _QuerySpecs:
+    b, lp, hq, d = q.shape
+    kvh = _kv_head_map(hq // k.shape[2])
+    nq = lp // block_q
+    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=heavy_first)
+    return _QuerySpecs(
+        grid=(nq, hq, b),
+        q=pl.BlockSpec((None, block_q, None, d), lambda i, h, z: (z, qb(i), h, 0)),
+        rows=pl.BlockSpec((None, block_q), lambda i, h, z: (z, qb(i))),
+        head_rows=pl.BlockSpec((None, None, block_q), lambda i, h, z: (z, h, qb(i))),
+        kv=pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
+        core=pl.BlockSpec((None, ck.shape[1], None, d), lambda i, h, z: (z, 0, h, 0)))
+
+
+def _query_kernel(kernel, q, block_q: int, block_k: int, loop_style: str, heavy_first: bool):
+    return functools.partial(kernel, block_q=block_q, block_k=block_k,
+                             scale=1.0 / math.sqrt(q.shape[-1]),
+                             loops=LOOP_STYLES[loop_style], heavy_first=heavy_first)
+
+
 # ---- forward -----------------------------------------------------------------------------
 
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
@@ -258,32 +288,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
 
 def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     """Padded inputs in, padded out `[B, Lp, Hq, D]` and log2-sum-exp `[B, Hq, Lp]` out."""
-    b, lp, hq, d = q.shape
-    hkv, mp = k.shape[2], ck.shape[1]
-    bq, bk = cfg.block_q, cfg.block_k
-    kvh = _kv_head_map(hq // hkv)
-    kernel = functools.partial(_fwd_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d),
-                               loops=LOOP_STYLES[cfg.forward_loop_style],
-                               heavy_first=cfg.forward_heavy_first)
-    nq = lp // bq
-    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=cfg.forward_heavy_first)
-    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, qb(i)))
-    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, qb(i), h, 0))
+    b, lp, hq, _ = q.shape
+    specs = _query_specs(q, k, ck, cfg.block_q, cfg.forward_heavy_first)
     return pl.pallas_call(
-        kernel,
-        grid=(nq, hq, b),
-        in_specs=[
-            q_block,
-            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
-            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
-            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
-            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
-            row_block, row_block, row_block,
-        ],
-        out_specs=[
-            q_block,
-            pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, qb(i))),
-        ],
+        _query_kernel(_fwd_kernel, q, cfg.block_q, cfg.block_k, cfg.forward_loop_style,
+                      cfg.forward_heavy_first),
+        grid=specs.grid,
+        in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core,
+                  specs.rows, specs.rows, specs.rows],
+        out_specs=[specs.q, specs.head_rows],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)],
         compiler_params=_params(cfg.num_warps, cfg.num_stages),
@@ -315,30 +328,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
 
 
 def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelConfig):
-    b, lp, hq, d = q.shape
-    hkv, mp = k.shape[2], ck.shape[1]
-    bq, bk = cfg.dq_block_q, cfg.dq_block_k
-    kvh = _kv_head_map(hq // hkv)
-    kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, scale=1.0 / math.sqrt(d),
-                               loops=LOOP_STYLES[cfg.dq_loop_style],
-                               heavy_first=cfg.dq_heavy_first)
-    nq = lp // bq
-    qb = functools.partial(_query_block, num_blocks=nq, heavy_first=cfg.dq_heavy_first)
-    row_block = pl.BlockSpec((None, bq), lambda i, h, z: (z, qb(i)))
-    head_rows = pl.BlockSpec((None, None, bq), lambda i, h, z: (z, h, qb(i)))
-    q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, z: (z, qb(i), h, 0))
+    specs = _query_specs(q, k, ck, cfg.dq_block_q, cfg.dq_heavy_first)
     return pl.pallas_call(
-        kernel,
-        grid=(nq, hq, b),
-        in_specs=[
-            q_block,
-            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
-            pl.BlockSpec((None, lp, None, d), lambda i, h, z: (z, 0, kvh(h), 0)),
-            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
-            pl.BlockSpec((None, mp, None, d), lambda i, h, z: (z, 0, h, 0)),
-            q_block, head_rows, head_rows, row_block, row_block, row_block,
-        ],
-        out_specs=q_block,
+        _query_kernel(_dq_kernel, q, cfg.dq_block_q, cfg.dq_block_k, cfg.dq_loop_style,
+                      cfg.dq_heavy_first),
+        grid=specs.grid,
+        in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core, specs.q,
+                  specs.head_rows, specs.head_rows, specs.rows, specs.rows, specs.rows],
+        out_specs=specs.q,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(cfg.dq_num_warps, cfg.dq_num_stages),
         interpret=cfg.interpret,
@@ -347,6 +344,16 @@ def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelCo
 
 
 # ---- backward: dk/dv over raw key blocks ----------------------------------------------------
+
+def _key_side_call(kernel, grid, in_specs, block, like, num_warps: int, num_stages: int,
+                   interpret: bool, name: str):
+    """The pallas_call of a kernel over key-side blocks: two outputs (dk, dv or dck, dcv) in
+    `block`s, shaped like the two arrays of `like`."""
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=[block, block],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in like],
+        compiler_params=_params(num_warps, num_stages), interpret=interpret, name=name)
+
 
 def _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv):
     """One (key block, query block) tile, transposed: s_t [bk, bq] = k @ q.T (unscaled), c the
@@ -412,19 +419,12 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
     whole_q = pl.BlockSpec((None, lp, None, groups * d), lambda i, h, z: (z, 0, h, 0))
     whole_rows = pl.BlockSpec((None, None, groups * lp), lambda i, h, z: (z, h, 0))
     k_block = pl.BlockSpec((None, bk, None, d), lambda i, h, z: (z, i, h, 0))
-    return pl.pallas_call(
-        kernel,
-        grid=(lp // bk, hkv, b),
-        in_specs=[whole_q, whole_q, whole_rows, whole_rows,
-                  pl.BlockSpec((None, lp), lambda i, h, z: (z, 0)),
-                  k_block, k_block, pl.BlockSpec((None, bk), lambda i, h, z: (z, i))],
-        out_specs=[k_block, k_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_params(cfg.dkv_num_warps, cfg.dkv_num_stages),
-        interpret=cfg.interpret,
-        name="cca_bwd_dkv",
-    )(qg, dog, lseg, deltag, raw_lo, k, v, last_row)
+    in_specs = [whole_q, whole_q, whole_rows, whole_rows,
+                pl.BlockSpec((None, lp), lambda i, h, z: (z, 0)),
+                k_block, k_block, pl.BlockSpec((None, bk), lambda i, h, z: (z, i))]
+    return _key_side_call(kernel, (lp // bk, hkv, b), in_specs, k_block, (k, v),
+                          cfg.dkv_num_warps, cfg.dkv_num_stages, cfg.interpret,
+                          "cca_bwd_dkv")(qg, dog, lseg, deltag, raw_lo, k, v, last_row)
 
 
 # ---- backward: dck/dcv over core blocks ------------------------------------------------------
@@ -483,18 +483,11 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
     bounds_row = spec((None, lp), lambda i, h, z: (z, 0))
     c_block = spec((None, bc, None, d), lambda i, h, z: (z, i, h, 0))
     slot_block = spec((None, bc), lambda i, h, z: (z, i))
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[whole_q, whole_q, whole_rows, whole_rows, bounds_row, bounds_row,
-                  c_block, c_block, slot_block, slot_block],
-        out_specs=[c_block, c_block],
-        out_shape=[jax.ShapeDtypeStruct(ck.shape, ck.dtype),
-                   jax.ShapeDtypeStruct(cv.shape, cv.dtype)],
-        compiler_params=_params(cfg.dc_num_warps, cfg.dc_num_stages),
-        interpret=cfg.interpret,
-        name="cca_bwd_dcore",
-    )(q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row)
+    in_specs = [whole_q, whole_q, whole_rows, whole_rows, bounds_row, bounds_row,
+                c_block, c_block, slot_block, slot_block]
+    return _key_side_call(kernel, grid, in_specs, c_block, (ck, cv), cfg.dc_num_warps,
+                          cfg.dc_num_stages, cfg.interpret, "cca_bwd_dcore")(
+        q, do, lse, delta, core_lo, core_hi, ck, cv, first_row, end_row)
 
 
 # ---- padding and the custom VJP ----------------------------------------------------------------
