@@ -30,16 +30,16 @@ PATTERNS = {
 NON_CCA = ("full", "sliding", "streaming")
 
 
-def _sees(kind: str, t: int, u: int) -> bool:
-    """SPEC: in-document positions, u <= t."""
+def _sees(kind: str, t: int, u: int, w: int, n: int) -> bool:
+    """SPEC: in-document positions, u <= t; window w, sinks n."""
     if kind == "full":
         return True
     if kind == "sliding":
-        return t - W < u
-    return u < N or t - W < u   # streaming
+        return t - w < u
+    return u < n or t - w < u   # streaming
 
 
-def option_reference(q, k, v, kind, segment_ids=None):
+def option_reference(q, k, v, kind, segment_ids=None, w=W, n=N):
     """float64, per query, from SPEC's text alone (full / sliding / streaming)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b_, length, hq, d = q.shape
@@ -50,7 +50,7 @@ def option_reference(q, k, v, kind, segment_ids=None):
         starts = [t for t in range(length) if t == 0 or seg[t] != seg[t - 1]]
         for d0, d1 in zip(starts, starts[1:] + [length]):
             for t in range(d0, d1):
-                keys = [u for u in range(d0, t + 1) if _sees(kind, t - d0, u - d0)]
+                keys = [u for u in range(d0, t + 1) if _sees(kind, t - d0, u - d0, w, n)]
                 for h in range(hq):
                     s = k[b, keys, h // groups] @ q[b, t, h] / np.sqrt(d)
                     p = np.exp(s - s.max())
@@ -58,7 +58,7 @@ def option_reference(q, k, v, kind, segment_ids=None):
     return out
 
 
-def dense_mask(kind, length, segment_ids=None):
+def dense_mask(kind, length, segment_ids=None, w=W, n=N):
     """[B or 1, L, L] boolean, from the same SPEC rules (for the jax.grad reference)."""
     seg = np.zeros((1, length), int) if segment_ids is None else np.asarray(segment_ids)
     mask = np.zeros((seg.shape[0], length, length), bool)
@@ -68,7 +68,7 @@ def dense_mask(kind, length, segment_ids=None):
             if t and seg[b, t] != seg[b, t - 1]:
                 start = t
             for u in range(start, t + 1):
-                mask[b, t, u] = _sees(kind, t - start, u - start)
+                mask[b, t, u] = _sees(kind, t - start, u - start, w, n)
     return mask
 
 
@@ -114,7 +114,7 @@ def _jitted(impl: str):
 
 
 # (B, L, Hq, Hkv, D): G > 1, L not a multiple of the blocks, L < W + N edge cases below.
-SHAPE = (2, 45, 4, 2, 16)
+SHAPE = (2, 45, 4, 2, 64)   # D = 64: the smallest head dim the Pallas kernels take
 REUSED_IDS = np.array([[0] * 10 + [1] * 17 + [0] * 18, [2] * 45], np.int32)  # ids come back
 
 
@@ -133,7 +133,7 @@ def test_matches_spec_reference(impl, kind, packed):
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_packed_rows_equal_separate_runs(impl, kind):
     """Three documents, the first id reused by the third: each equals its own run."""
-    q, k, v = _inputs(1, 45, 4, 2, 16, seed=5)
+    q, k, v = _inputs(1, 45, 4, 2, 64, seed=5)
     seg = REUSED_IDS[:1]
     packed = np.asarray(_jitted(impl)(q, k, v, PATTERNS[kind], seg))
     for d0, d1 in ((0, 10), (10, 27), (27, 45)):
@@ -291,3 +291,34 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     full = cca_jax.from_pretrained(tmp_path / "ours", attention="full")
     with pytest.raises(ValueError, match="sliding window of 12"):
         full(jnp.asarray(ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", NON_CCA)
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_auto_dispatch_matches_reference(kind, packed):
+    """On the GPU, what 'auto' picks (cuDNN for unpacked full/sliding in bf16, the Pallas
+    kernels otherwise) against the float64 reference: output and gradients."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU")
+    length, pat = 1024, AttentionPattern(kind, window_size=100, sink_tokens=4)
+    q, k, v = _inputs(1, length, 4, 2, 128, seed=21)
+    seg = np.repeat(np.array([0, 1, 0], np.int32), [300, 500, 224])[None] if packed else None
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    out = jax.jit(lambda q, k, v: run_attention(q, k, v, pat, segment_ids=seg))(*bf)
+    ref = option_reference(*(np.asarray(x, np.float32) for x in bf), kind, seg, w=100, n=4)
+    mask = dense_mask(kind, length, seg, w=100, n=4)
+    err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+    assert err < 1e-2, err     # bf16 inputs and outputs: expected 2e-3 to 5e-3
+    cot = jax.random.normal(jax.random.PRNGKey(0), q.shape, jnp.float32)
+
+    def grads(fn, args):
+        return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot),
+                        argnums=(0, 1, 2))(*args)
+
+    got = grads(lambda q, k, v: run_attention(q, k, v, pat, segment_ids=seg), bf)
+    want = grads(lambda q, k, v: dense_attention(q, k, v, mask),
+                 [x.astype(jnp.float32) for x in bf])
+    for g, w in zip(got, want):
+        rel = float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+        assert rel < 2e-2, rel
