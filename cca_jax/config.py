@@ -329,17 +329,7 @@ class LlamaConfig:
     @classmethod
     def from_pretrained_dir(cls, path: str | os.PathLike, **overrides) -> "LlamaConfig":
         """Read `config.json` from a checkpoint directory (or the file itself)."""
-        path = os.fspath(path)
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.exists(file):
-            raise FileNotFoundError(
-                f"No config.json at {file!r}: pass a Hugging Face checkpoint directory.")
-        with open(file) as f:
-            try:
-                hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file!r} is not valid JSON ({e}).") from None
-        return cls.from_hf_dict(hf, **overrides)
+        return cls.from_hf_dict(read_hf_config(path), **overrides)
 
     def to_hf_dict(self, model_type: str | None = None) -> dict[str, Any]:
         """A HF `config.json` dict for this architecture, CCA settings under CCA_CONFIG_KEY.
@@ -363,8 +353,7 @@ class LlamaConfig:
                      f"config has qkv_bias={self.qkv_bias}, attention_bias={self.attention_bias} "
                      "(export it as model_type='qwen2' if o_proj has no bias).")
         out: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "model_type": model_type,
             "hidden_act": "silu",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -387,7 +376,6 @@ class LlamaConfig:
             "dtype": self.param_dtype,
             CCA_CONFIG_KEY: self.attention.to_dict(),
         }
-        out["model_type"] = model_type
         out.update(_FAMILY_HF_EXPORT[model_type])
         if self.sliding_window is not None:
             _require(model_type in _SLIDING_WINDOW_EXPORT,
@@ -395,6 +383,29 @@ class LlamaConfig:
                      f"{self.sliding_window}; export as one of {sorted(_SLIDING_WINDOW_EXPORT)}.")
             out.update(_SLIDING_WINDOW_EXPORT[model_type](self.sliding_window))
         return out
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` of a checkpoint directory (or the file itself), as a dict."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise FileNotFoundError(
+            f"No config.json at {file!r}: pass a Hugging Face checkpoint directory.")
+    with open(file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file!r} is not valid JSON ({e}).") from None
+
+
+def hf_weights_dtype(hf: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(dtype name, the key it came from) that a HF config.json says its weights are in
+    (`dtype`, or the older `torch_dtype`), if it names one of `DTYPES`."""
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(hf.get(key), str) and hf[key] in DTYPES:
+            return hf[key], key
+    return None
 
 
 def _route_attention(attention: AttentionConfig, changes: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,6 @@ end.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from cca_jax.checkpoint import LazyArray, save_pretrained
-from cca_jax.config import LlamaConfig
+from cca_jax.config import LlamaConfig, hf_weights_dtype, read_hf_config
 from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check_output_dir,
                            copy_tokenizer_files, open_hf_weights, progress_bar)
 from convert.layout import ParamSpec, family_layout, param_specs
@@ -61,12 +60,11 @@ def source_dtype(hf_dir: Path, reader: WeightReader) -> tuple[str, str]:
     """(dtype name, where it was found) of a HF checkpoint: config.json's `dtype` /
     `torch_dtype`, else the floating dtype that holds most of the weights' elements."""
     try:
-        hf = json.loads((hf_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        hf = {}
-    for key in ("dtype", "torch_dtype"):
-        if isinstance(hf.get(key), str) and hf[key] in OUT_DTYPES:
-            return hf[key], f"config.json {key!r}"
+        named = hf_weights_dtype(read_hf_config(hf_dir))
+    except (OSError, ValueError):
+        named = None
+    if named is not None:
+        return named[0], f"config.json {named[1]!r}"
     elements: dict[str, int] = {}
     for name, dt in reader.dtypes.items():
         if dt is not None and (np.issubdtype(dt, np.floating) or dt.name in OUT_DTYPES):
