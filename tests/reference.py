@@ -1,7 +1,10 @@
-"""An independent, per-query transcription of SPEC sections 1-3 in float64 numpy.
+"""Independent float64 numpy transcriptions of SPEC, the oracles the implementations are tested
+against.
 
-Slow loops, written from the SPEC text alone (no shared code with the implementations): the
-oracle every CCA implementation is tested against.
+Slow per-query loops written from the SPEC text alone (no shared code with the
+implementations): `cca_reference` is SPEC sections 1-3, `causal_reference` plain causal
+softmax attention (what properties 1 and 2 reduce CCA to), and `reference_directional_grads`
+central finite differences of `cca_reference` (the gradient oracle of property 4).
 """
 
 import numpy as np
@@ -45,3 +48,30 @@ def cca_reference(q, k, v, g, s, pooling="cca", segment_ids=None):
                     p = _softmax(keys @ qq[t] / np.sqrt(D))
                     out[b, d0 + t, h] = p @ vals
     return out
+
+
+def causal_reference(q, k, v):
+    """Causal full softmax attention with GQA (query head h reads KV head h // G), float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, L, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(Hq):
+            for t in range(L):
+                p = _softmax(k[b, :t + 1, h // G] @ q[b, t, h] / np.sqrt(D))
+                out[b, t, h] = p @ v[b, :t + 1, h // G]
+    return out
+
+
+def reference_directional_grads(q, k, v, cot, directions, *, g, s, pooling="cca",
+                                segment_ids=None, step=1e-6):
+    """d/de sum(cca_reference(x + e * dx) * cot) at e = 0 for each direction dx = (dq, dk, dv),
+    by central differences in float64 (truncation error ~ step^2, round-off ~ 1e-16 / step)."""
+    q, k, v, cot = (np.asarray(x, np.float64) for x in (q, k, v, cot))
+
+    def loss(dq, dk, dv, e):
+        out = cca_reference(q + e * dq, k + e * dk, v + e * dv, g, s, pooling, segment_ids)
+        return np.sum(out * cot)
+
+    return np.array([(loss(*d, step) - loss(*d, -step)) / (2 * step) for d in directions])
