@@ -133,12 +133,15 @@ class LlamaForCausalLM(nnx.Module):
                 x, _ = layer_step(x, jax.tree.map(lambda p, i=i: p[i], stacked))
         return self.norm(x)
 
+    def output_weight(self):
+        """The `[hidden, vocab]` output projection (the embedding's transpose when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
     def logits(self, hidden):
         """float32 logits from hidden states."""
-        if self.config.tie_word_embeddings:
-            weight = self.embed_tokens.embedding[...].T
-        else:
-            weight = self.lm_head.kernel[...]
+        weight = self.output_weight()
         return jnp.dot(hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids, segment_ids=None, positions=None, *, last_only: bool = False):

@@ -1,0 +1,145 @@
+"""The device mesh and THE table of logical axis -> mesh axis rules.
+
+Every array the model or the trainer shards is described by logical axes ("batch", "seq",
+"embed", "heads", "mlp", "vocab", ...). `LOGICAL_RULES` maps each to mesh axes; nothing else
+in the project names mesh axes for an array. Parameters carry their logical axes through
+`PARAM_AXES`, keyed by the parameter's own name in the tree (the same names in params,
+gradients and optimizer moments), so one function shards all three.
+
+Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer
+state sharded), `tensor` (heads / MLP columns), `sequence` (activations along the sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+
+# THE table: logical axis -> mesh axes (None: replicated).
+LOGICAL_RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp"),
+    "seq": "sequence",
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",      # q/k/v output features, o input features (heads x head_dim)
+    "mlp": "tensor",
+    "layers": None,         # the stacked-layer axis of scanned parameters
+    "norm": None,
+}
+
+# Parameter name (the last keys of its path) -> logical axes of one layer's array; scanned
+# parameters get "layers" in front.
+PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("q_proj", "kernel"): ("embed", "heads"),
+    ("k_proj", "kernel"): ("embed", "heads"),
+    ("v_proj", "kernel"): ("embed", "heads"),
+    ("o_proj", "kernel"): ("heads", "embed"),
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "bias"): ("heads",),
+    ("v_proj", "bias"): ("heads",),
+    ("o_proj", "bias"): ("norm",),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("gate_proj", "bias"): ("mlp",),
+    ("up_proj", "bias"): ("mlp",),
+    ("down_proj", "bias"): ("norm",),
+    ("weight",): ("norm",),   # RMSNorm scales
+}
+
+
+def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
+    """A mesh over `devices` (default: all) with axes MESH_AXES.
+
+    `shape` maps axis names to sizes; missing axes are 1 and one axis may be -1 (the rest of
+    the devices). Default: everything on `fsdp`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = dict(shape or {"fsdp": -1})
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unknown mesh axes {unknown}; the axes are {MESH_AXES}.")
+    sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1 or any(n == 0 or n < -1 for n in sizes.values()):
+        raise ValueError(f"mesh sizes must be positive, with at most one -1; got {shape}.")
+    known = math.prod(n for n in sizes.values() if n != -1)
+    if free:
+        if len(devices) % known:
+            raise ValueError(f"mesh {shape}: {len(devices)} devices are not a multiple of "
+                             f"{known}; choose sizes that divide the device count.")
+        sizes[free[0]] = len(devices) // known
+    if math.prod(sizes.values()) != len(devices):
+        raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, but "
+                         f"{len(devices)} are visible; make the sizes multiply to "
+                         f"{len(devices)} (or use -1 for one axis).")
+    grid = np.asarray(devices).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec of an array with logical `axes`. A mesh axis that does not divide its
+    dimension (or is already used) is dropped for that dimension: replication is always
+    correct, only less sharded."""
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(axes, shape):
+        rule = LOGICAL_RULES.get(name) if name is not None else None
+        mesh_axes = [rule] if isinstance(rule, str) else list(rule or ())
+        chosen = []
+        for axis in mesh_axes:
+            n = mesh.shape[axis]
+            if axis in used or n == 1 or size % (n * math.prod(mesh.shape[a] for a in chosen)):
+                continue
+            chosen.append(axis)
+        used.update(chosen)
+        spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+    return PartitionSpec(*spec)
+
+
+def param_axes(path: Sequence[str], ndim: int) -> tuple[str, ...] | None:
+    """Logical axes of the parameter (or its gradient / optimizer moment) at `path`."""
+    for length in (2, 1):
+        axes = PARAM_AXES.get(tuple(path[-length:]))
+        if axes is not None:
+            if ndim == len(axes) + 1:
+                return ("layers", *axes)
+            return axes if ndim == len(axes) else None
+    return None
+
+
+def _dict_keys(path) -> list[str]:
+    return [str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey)]
+
+
+def tree_shardings(tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings for params, gradients or optimizer state: leaves named in PARAM_AXES
+    follow their logical axes, everything else (step counts, scalars) is replicated."""
+    def one(path, leaf):
+        shape = getattr(leaf, "shape", ())
+        axes = param_axes(_dict_keys(path), len(shape))
+        spec = PartitionSpec() if axes is None else logical_spec(axes, shape, mesh)
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[batch, seq] arrays: batch over data x fsdp, sequence over `sequence`."""
+    return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], LOGICAL_RULES["seq"]))
+
+
+def unnamed_params(tree: Any) -> list[str]:
+    """Paths of array leaves PARAM_AXES does not describe (a test keeps this empty)."""
+    missing = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if param_axes(_dict_keys(path), len(getattr(leaf, "shape", ()))) is None:
+            missing.append(jax.tree_util.keystr(path))
+    return missing

@@ -1,0 +1,233 @@
+"""Sharded CCA fine-tuning of a converted Hugging Face checkpoint (or a built-in tiny model).
+
+    python -m train.finetune --preset tiny --steps 30 --out runs/tiny
+    python -m train.finetune --checkpoint ckpt/ --data book.txt --seq-len 32768 \\
+        --trainable qkv --rope-theta 500000 --steps 1000 --out runs/cca
+
+One frozen `TrainConfig` (train/config.py) holds the run; a TOML file (`--config`) and flags
+set it. The model and optimizer state are sharded over a mesh of every visible device by
+`cca_jax.sharding`'s table; the step is one `jit` with NamedShardings. Progress shows in a
+tqdm bar and goes, one JSON object per logged step, to OUT/metrics.jsonl. Orbax saves
+asynchronously every `--save-every` steps into OUT/checkpoints, keeping the last `--keep`;
+rerunning the same command with a larger `--steps` resumes (parameters, optimizer state,
+step, data position) and metrics.jsonl continues. The end of the run exports OUT/final
+(our format) and OUT/hf (Hugging Face, through convert.flax_to_hf).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from cca_jax.config import LlamaConfig
+from cca_jax.model import LlamaForCausalLM
+from cca_jax.sharding import batch_sharding, make_mesh, tree_shardings
+from train import step as steps
+from train.config import TRAINABLE, TrainConfig, parse_args
+from train.flops import peak_flops, train_flops_per_sequence
+
+RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
+
+
+def tiny_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+    """The built-in tiny preset: a 2-layer random LLaMA sized for a CPU."""
+    base = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       dtype=cfg.dtype, param_dtype=cfg.dtype)
+    return base.replace(**cfg.model_overrides())
+
+
+def load_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
+    """The model to train, with this run's attention, rope and length overrides."""
+    import cca_jax
+    from cca_jax.checkpoint import find_config
+
+    if cfg.preset is not None:
+        model_cfg = tiny_model_config(cfg, tokenizer.vocab_size)
+        return LlamaForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
+    if not Path(cfg.checkpoint).exists():
+        raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: no such directory (convert a "
+                                "Hugging Face checkpoint with python -m convert.hf_to_flax).")
+    stored = LlamaConfig.from_pretrained_dir(find_config(cfg.checkpoint))
+    overrides = cfg.model_overrides()
+    overrides["max_position_embeddings"] = max(stored.max_position_embeddings, cfg.seq_len)
+    return cca_jax.from_pretrained(cfg.checkpoint, dtype=cfg.dtype, **overrides)
+
+
+def check_run_dir(cfg: TrainConfig) -> Path:
+    """OUT must be new, empty, or a run of the same settings; never anything else."""
+    out = Path(cfg.out)
+    saved = out / RUN_CONFIG
+    if saved.exists():
+        previous = TrainConfig(**json.loads(saved.read_text()))
+        differ = cfg.same_run(previous)
+        if differ:
+            raise ValueError(f"{out} holds a different run (settings {differ} differ); use "
+                             "another --out, or the same settings to resume it.")
+    elif out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not a cca-jax run directory; choose a new or "
+                         "empty --out (nothing in it is overwritten).")
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(cfg.to_dict(), indent=1))
+    return out
+
+
+def check_shapes(cfg: TrainConfig, mesh, model_cfg: LlamaConfig, tokenizer) -> None:
+    """Clear errors before any compute for what the model or mesh cannot take."""
+    data = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.micro_batch % data:
+        raise ValueError(f"each micro-batch holds {cfg.micro_batch} sequences (--batch-size / "
+                         f"--grad-accum), which the mesh's data x fsdp = {data} devices do not "
+                         "divide; raise --batch-size or change --mesh.")
+    if cfg.seq_len % mesh.shape["sequence"]:
+        raise ValueError(f"--seq-len {cfg.seq_len} is not a multiple of the mesh's sequence "
+                         f"axis ({mesh.shape['sequence']}).")
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                         f"{model_cfg.vocab_size}: is the tokenizer the checkpoint's own?")
+
+
+def _metrics_continue(path: Path, step: int) -> None:
+    """Keep only metrics.jsonl lines of steps <= `step` (a resumed run logs the rest again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _device_batch(batch: dict, cfg: TrainConfig, sharding) -> dict:
+    keys = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
+    shaped = {k: np.asarray(batch[k]).reshape(cfg.grad_accum, cfg.micro_batch, cfg.seq_len)
+              for k in keys}
+    return jax.device_put(shaped, sharding)
+
+
+def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig) -> None:
+    from cca_jax.checkpoint import save_pretrained
+    from convert.flax_to_hf import convert_flax_to_hf
+
+    final = out / "final"
+    if not final.exists():
+        params = steps.nest({**steps.flatten(state.frozen), **steps.flatten(state.trainable)})
+        save_pretrained(final, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params),
+                        model_cfg)
+        if cfg.checkpoint is not None:
+            for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                         "special_tokens_map.json"):
+                src = Path(cfg.checkpoint) / name
+                if src.exists():
+                    (final / name).write_bytes(src.read_bytes())
+    if cfg.export_hf and not (out / "hf").exists():
+        convert_flax_to_hf(final, out / "hf", verbose=False)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train; returns {"losses": [...] of this invocation's steps, "out": OUT}."""
+    from train.data import make_batches, make_tokenizer
+
+    out = check_run_dir(cfg)
+    tokenizer = make_tokenizer(cfg.checkpoint)
+    model = load_model(cfg, tokenizer)
+    model_cfg = model.config
+    mesh = make_mesh(cfg.mesh_shape)
+    check_shapes(cfg, mesh, model_cfg, tokenizer)
+    batches = make_batches(cfg.data, tokenizer, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                           seed=cfg.seed, data_dir=cfg.data_dir, text_field=cfg.text_field,
+                           cache_dir=str(out / "data_cache"))
+
+    graphdef, model_state = nnx.split(model)
+    apply = steps.model_apply(graphdef, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state))
+    tx = steps.make_optimizer(cfg)
+    init = functools.partial(steps.init_state, cfg=cfg, tx=tx)
+    shardings = tree_shardings(jax.eval_shape(init, steps.params_of(model)), mesh)
+    state = jax.jit(init, out_shardings=shardings)(steps.params_of(model))
+    del model
+    batch_spec = batch_sharding(mesh).spec
+    batch_sharding3 = NamedSharding(mesh, PartitionSpec(None, *batch_spec))
+    train_step = jax.jit(steps.make_train_step(apply, cfg, tx),
+                         in_shardings=(shardings, batch_sharding3),
+                         out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
+                         donate_argnums=(0,))
+
+    manager = ocp.CheckpointManager(
+        (out / "checkpoints").absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
+                                             enable_async_checkpointing=True))
+    start = manager.latest_step() or 0
+    if start:
+        abstract_state = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state._asdict()),
+            data=ocp.args.JsonRestore()))
+        state = steps.TrainState(**restored["state"])
+        batches.set_state(restored["data"])
+        _metrics_continue(out / METRICS, start)
+
+    flops = train_flops_per_sequence(model_cfg, cfg.seq_len, TRAINABLE[cfg.trainable])
+    flops *= cfg.batch_size
+    peak = peak_flops(jax.devices()[0].device_kind)
+    losses = []
+    schedule = steps.lr_schedule(cfg)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+    last = time.perf_counter()
+    with open(out / METRICS, "a") as log:
+        for step in range(start, cfg.steps):
+            batch = _device_batch(next(batches), cfg, batch_sharding3)
+            state, metrics = train_step(state, batch)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                seconds = (now - last) / ((step - start) % cfg.log_every + 1
+                                          if step > start else 1)
+                last = now
+                record = {"step": step + 1, "loss": metrics["loss"],
+                          "grad_norm": metrics["grad_norm"],
+                          "lr": float(schedule(step)),
+                          "step_s": seconds,
+                          "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
+                          "mfu": (flops / seconds / (peak * jax.device_count())
+                                  if peak else None)}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                losses.append(record["loss"])
+                bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                manager.save(step + 1, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state._asdict()),
+                    data=ocp.args.JsonSave(batches.get_state())))
+    bar.close()
+    manager.wait_until_finished()
+    manager.close()
+    _export(out, state, model_cfg, cfg)
+    return {"losses": losses, "out": str(out)}
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        result = run(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"done: {len(result['losses'])} steps logged to {Path(result['out']) / METRICS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The training step: chunked cross-entropy, gradient accumulation, the optimizer.
+
+Parameters are nested dicts split into a trainable and a frozen part, so frozen
+parameters get neither gradients nor optimizer state. The optimizer updates float32 copies of
+the trainable parameters' moments (AdamW moments are float32 whatever the parameter dtype)
+and rounds the result back to the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from cca_jax.model import LlamaForCausalLM
+from train.config import TRAINABLE, TrainConfig
+
+Params = dict[tuple[str, ...], jax.Array]
+
+
+def params_of(model: LlamaForCausalLM) -> dict:
+    """The nested `{name: ... array}` dict of every parameter of `model`."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def flatten(tree: dict, prefix: tuple = ()) -> Params:
+    out: Params = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, (*prefix, key)))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+def nest(flat: Params) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def split_trainable(params: dict, trainable: str) -> tuple[dict, dict]:
+    """(trainable, frozen) nested dicts by the names in `TRAINABLE[trainable]` (None: all)."""
+    names = TRAINABLE[trainable]
+    flat = flatten(params)
+    train = {p: x for p, x in flat.items() if names is None or any(n in p for n in names)}
+    return nest(train), nest({p: x for p, x in flat.items() if p not in train})
+
+
+def model_apply(graphdef, abstract_state) -> Callable:
+    """`apply(trainable, frozen) -> model` for a model split with `nnx.split`."""
+    def apply(trainable: dict, frozen: dict) -> LlamaForCausalLM:
+        state = jax.tree.map(lambda x: x, abstract_state)
+        nnx.replace_by_pure_dict(state, nest({**flatten(frozen), **flatten(trainable)}))
+        return nnx.merge(graphdef, state)
+    return apply
+
+
+def chunked_cross_entropy(hidden, weight, targets, mask, chunk: int):
+    """Sum of masked token losses and the token count, without `[L, vocab]` logits at once.
+
+    hidden `[B, L, H]`, weight `[H, V]`, targets int `[B, L]`, mask float `[B, L]`. The
+    sequence is cut into chunks of `chunk` tokens; each chunk's float32 logits exist only
+    inside a rematerialized map step, so the backward recomputes them chunk by chunk too.
+    """
+    b, length, h = hidden.shape
+    chunk = min(chunk, length)
+    pad = -length % chunk
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+    n = hidden.shape[1] // chunk
+    xs = (hidden.reshape(b, n, chunk, h).swapaxes(0, 1),
+          targets.reshape(b, n, chunk).swapaxes(0, 1), mask.reshape(b, n, chunk).swapaxes(0, 1))
+
+    @jax.checkpoint
+    def one(x):
+        hid, tgt, msk = x
+        logits = jnp.dot(hid, weight.astype(hid.dtype), preferred_element_type=jnp.float32)
+        nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
+            logits, tgt[..., None], axis=-1)[..., 0]
+        return jnp.sum(nll * msk)
+
+    return jnp.sum(jax.lax.map(one, xs)), jnp.sum(mask)
+
+
+def loss_fn(model: LlamaForCausalLM, batch: dict, chunk: int):
+    """(summed token loss, token count) of one micro-batch."""
+    hidden = model.hidden_states(batch["input_ids"], batch["segment_ids"], batch["positions"])
+    return chunked_cross_entropy(hidden, model.output_weight(), batch["targets"],
+                                 batch["loss_mask"], chunk)
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup_steps`, then constant (the paper's recipe)."""
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)),
+         optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(lr_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
+                    weight_decay=cfg.weight_decay),
+    )
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    trainable: dict
+    frozen: dict
+    opt_state: Any
+
+
+def init_state(params: dict, cfg: TrainConfig, tx) -> TrainState:
+    train, frozen = split_trainable(params, cfg.trainable)
+    opt_state = tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), train))
+    return TrainState(jnp.zeros((), jnp.int32), train, frozen, opt_state)
+
+
+def make_grad_fn(apply, cfg: TrainConfig) -> Callable:
+    """`grads(state, batches) -> (loss, token count, grads)`: the mean token loss and its
+    float32 gradient w.r.t. the trainable parameters over `[grad_accum, B, L]` batches."""
+    def micro(state: TrainState, batch):
+        def loss_of(train):
+            return loss_fn(apply(train, state.frozen), batch, cfg.loss_chunk)
+        (total, count), grads = jax.value_and_grad(loss_of, has_aux=True)(state.trainable)
+        return total, count, grads
+
+    def grads_fn(state: TrainState, batches):
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
+
+        def accumulate(carry, batch):
+            total, count, grads = carry
+            t, c, g = micro(state, batch)
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            return (total + t, count + c, grads), None
+
+        (total, count, grads), _ = jax.lax.scan(
+            accumulate, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros),
+            batches)
+        count = jnp.maximum(count, 1.0)
+        return total / count, count, jax.tree.map(lambda g: g / count, grads)
+
+    return grads_fn
+
+
+def make_train_step(apply, cfg: TrainConfig, tx) -> Callable:
+    """`step(state, batch) -> (state, metrics)`; batch arrays `[grad_accum, B, L]`."""
+    grads_fn = make_grad_fn(apply, cfg)
+
+    def step(state: TrainState, batches):
+        loss, count, grads = grads_fn(state, batches)
+        master = jax.tree.map(lambda x: x.astype(jnp.float32), state.trainable)
+        updates, opt_state = tx.update(grads, state.opt_state, master)
+        new = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u).astype(p.dtype),
+                           state.trainable, updates)
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+        metrics = {"loss": loss, "grad_norm": norm, "tokens": count}
+        return TrainState(state.step + 1, new, state.frozen, opt_state), metrics
+
+    return step
