@@ -127,6 +127,7 @@ def test_bad_inputs(bad, match):
         build()(**bad)
 
 
+@pytest.mark.slow   # 35 s; tests/test_options.py checks the jaxpr for L x L arrays by default
 def test_cca_training_step_at_32k_is_memory_linear():
     """Forward+backward of a tiny CCA model at L = 32768 on CPU; memory linear in L."""
     cfg = TINY.replace(num_hidden_layers=2, vocab_size=256, remat="full",

@@ -129,8 +129,13 @@ def test_matches_spec_reference(impl, kind, packed):
     np.testing.assert_allclose(out, option_reference(q, k, v, kind, seg), atol=5e-6, rtol=5e-6)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("kind", list(PATTERNS))
+# xla for every option by default; naive and the kernels (already checked against the
+# reference on packed rows above) in the slow run.
+_PACKED_CASES = [pytest.param(impl, kind, marks=() if impl == "xla" else pytest.mark.slow)
+                 for impl in IMPLS for kind in PATTERNS]
+
+
+@pytest.mark.parametrize("impl,kind", _PACKED_CASES)
 def test_packed_rows_equal_separate_runs(impl, kind):
     """Three documents, the first id reused by the third: each equals its own run."""
     q, k, v = _inputs(1, 45, 4, 2, 64, seed=5)
