@@ -26,6 +26,16 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": dict(seq_len=128, batch_size=8, lr=3e-3, warmup_steps=10, dtype="float32",
                  remat="none", save_every=50, attention="cca", group_size=4, window_size=16,
                  implementation="xla", loss_chunk=64),
+    # Random weights of LLaMA-2-7B's shape, for measuring steps without a checkpoint.
+    "llama2-7b-shape": dict(attention="cca", group_size=16, window_size=1024),
+}
+# Architecture of each preset's random model (vocab: the tokenizer's, at least).
+PRESET_MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=0, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "llama2-7b-shape": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                            num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=32),
 }
 PRESETS = tuple(PRESET_DEFAULTS)
 
@@ -36,7 +46,7 @@ class TrainConfig:
 
     out: str = ""
     checkpoint: str | None = None
-    preset: str | None = None          # "tiny": a small random LLaMA, no files needed
+    preset: str | None = None          # a random model: "tiny" (CPU) or "llama2-7b-shape"
     # data
     data: str = "builtin"              # "builtin", a .txt/.jsonl(.gz)/dir path, "tfds:NAME[:SPLIT]"
     data_dir: str | None = None        # TFDS data dir
@@ -65,7 +75,7 @@ class TrainConfig:
     steps: int = 1000                  # total length of the run (a rerun with more resumes)
     seed: int = 0
     mesh: str = "fsdp=-1"              # axis=size pairs over data, fsdp, tensor, sequence
-    save_every: int = 100
+    save_every: int = 100              # 0: never (benchmarks)
     keep: int = 2
     log_every: int = 1
     loss_chunk: int = 1024             # tokens per chunk of the cross-entropy
@@ -80,7 +90,9 @@ class TrainConfig:
              "give exactly one of --checkpoint DIR (from convert.hf_to_flax) or --preset tiny.")
         need(self.preset in (None, *PRESETS), f"--preset must be one of {PRESETS}.")
         need(self.trainable in TRAINABLE, f"--trainable must be one of {tuple(TRAINABLE)}.")
-        for name in ("seq_len", "batch_size", "grad_accum", "steps", "save_every", "keep",
+        need(isinstance(self.save_every, int) and self.save_every >= 0,
+             "--save-every must be >= 0 (0: no checkpoints, for benchmarks).")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "keep",
                      "log_every", "loss_chunk"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"--{name.replace('_', '-')} must be a positive integer.")

@@ -11,7 +11,8 @@ tqdm bar and goes, one JSON object per logged step, to OUT/metrics.jsonl. Orbax 
 asynchronously every `--save-every` steps into OUT/checkpoints, keeping the last `--keep`;
 rerunning the same command with a larger `--steps` resumes (parameters, optimizer state,
 step, data position) and metrics.jsonl continues. The end of the run exports OUT/final
-(our format) and OUT/hf (Hugging Face, through convert.flax_to_hf).
+(our format) and OUT/hf (Hugging Face, through convert.flax_to_hf); `--save-every 0` (for
+benchmarks) saves and exports nothing.
 """
 
 from __future__ import annotations
@@ -33,18 +34,18 @@ from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from train import step as steps
-from train.config import TRAINABLE, TrainConfig, parse_args
+from train.config import PRESET_MODELS, TRAINABLE, TrainConfig, parse_args
 from train.flops import peak_flops, train_flops_per_sequence
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 
 
-def tiny_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
-    """The built-in tiny preset: a 2-layer random LLaMA sized for a CPU."""
-    base = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       dtype=cfg.dtype, param_dtype=cfg.dtype)
+def preset_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+    """A preset's random LLaMA (`PRESET_MODELS`), with at least the tokenizer's vocab."""
+    arch = dict(PRESET_MODELS[cfg.preset])
+    arch["vocab_size"] = max(arch["vocab_size"], vocab_size)
+    base = LlamaConfig(**arch, dtype=cfg.dtype, param_dtype=cfg.dtype)
     return base.replace(**cfg.model_overrides())
 
 
@@ -54,7 +55,7 @@ def load_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
     from cca_jax.checkpoint import find_config
 
     if cfg.preset is not None:
-        model_cfg = tiny_model_config(cfg, tokenizer.vocab_size)
+        model_cfg = preset_model_config(cfg, tokenizer.vocab_size)
         return LlamaForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
     if not Path(cfg.checkpoint).exists():
         raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: no such directory (convert a "
@@ -207,14 +208,15 @@ def run(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.4f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                 manager.save(step + 1, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state._asdict()),
                     data=ocp.args.JsonSave(batches.get_state())))
     bar.close()
     manager.wait_until_finished()
     manager.close()
-    _export(out, state, model_cfg, cfg)
+    if cfg.save_every:
+        _export(out, state, model_cfg, cfg)
     return {"losses": losses, "out": str(out)}
 
 

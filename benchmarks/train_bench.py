@@ -1,0 +1,103 @@
+"""Training-step speed of `train.finetune` itself, one option per process.
+
+    python benchmarks/train_bench.py --attention cca --seq-len 131072 --trainable qkv \\
+        [--preset llama2-7b-shape] [--steps 4] --out benchmarks/results/train_h200_cca
+    python benchmarks/train_bench.py --merge a.json b.json --out benchmarks/results/train_h200
+
+Runs the real CLI (random weights of the preset's shape, the built-in text, byte tokens,
+no checkpoints) for `--steps` steps and records the median step time of the steps after the
+first (which compiles), tokens/s, MFU (train/flops.py) and the device's peak memory.
+Writes `<out>.json` (records: model, attention, seq_len, trainable, impl, step_s,
+tokens_per_s, mfu, peak_gib, device, jax, date, command) and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def measure(args) -> dict:
+    import jax
+
+    from cca_jax.attention import resolve_implementation
+    from cca_jax.blocks import AttentionPattern
+    from train import finetune
+    from train.config import parse_args
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = parse_args(["--preset", args.preset, "--attention", args.attention,
+                          "--seq-len", str(args.seq_len), "--trainable", args.trainable,
+                          "--steps", str(args.steps), "--save-every", "0", "--batch-size", "1",
+                          "--warmup-steps", "1", "--out", os.path.join(tmp, "run")])
+        finetune.run(cfg)
+        with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+            logged = [json.loads(line) for line in f]
+    later = logged[1:] or logged
+    step_s = statistics.median(r["step_s"] for r in later)
+    stats = jax.devices()[0].memory_stats() or {}
+    pattern = AttentionPattern(args.attention, 16, 1024, 4)
+    return dict(model=args.preset, attention=args.attention, seq_len=args.seq_len,
+                trainable=args.trainable,
+                impl=resolve_implementation("auto", pattern=pattern, packed=True),
+                step_s=round(step_s, 3), tokens_per_s=round(args.seq_len / step_s, 1),
+                mfu=None if later[0]["mfu"] is None else round(statistics.median(
+                    r["mfu"] for r in later), 4),
+                peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+                first_step_s=round(logged[0]["step_s"], 1), losses=[r["loss"] for r in logged],
+                device=jax.devices()[0].device_kind, jax=jax.__version__,
+                date=str(datetime.date.today()),
+                command="python benchmarks/train_bench.py " + " ".join(sys.argv[1:]))
+
+
+def table(records) -> str:
+    first = records[0]
+    lines = [f"# Fine-tuning step on {first['device']}", "",
+             f"- date: {first['date']}; jax {first['jax']}",
+             *[f"- command: `{c}`" for c in sorted({r['command'] for r in records})],
+             "- batch 1 sequence, random weights, packed built-in text (byte tokens), AdamW, "
+             "full remat, bf16 params / float32 optimizer state", "",
+             "| model | attention | implementation | seq_len | trainable | step s | tokens/s "
+             "| MFU | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {r['model']} | {r['attention']} | {r['impl']} | {r['seq_len']} | "
+                     f"{r['trainable']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | "
+                     f"{r['peak_gib']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="llama2-7b-shape")
+    ap.add_argument("--attention", default="cca")
+    ap.add_argument("--seq-len", type=int, default=131072)
+    ap.add_argument("--trainable", default="qkv")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--merge", nargs="+")
+    ap.add_argument("--out", default="benchmarks/results/train_h200")
+    args = ap.parse_args(argv)
+    if args.merge:
+        records = []
+        for path in args.merge:
+            with open(path) as f:
+                records += json.load(f)
+    else:
+        records = [measure(args)]
+    print(json.dumps(records, indent=1))
+    with open(args.out + ".json", "w") as f:
+        json.dump(records, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(table(records))
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
