@@ -20,7 +20,6 @@ and written at its offset. Peak memory ~ the largest stacked parameter.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,7 +30,8 @@ from cca_jax.checkpoint import CheckpointReader, find_config
 from cca_jax.config import LlamaConfig
 from cca_jax.host_memory import release_freed_memory
 from convert.hf_io import (AtomicOutputDir, ConversionError, SafetensorsShardWriter,
-                           check_output_dir, copy_tokenizer_files, progress_bar)
+                           check_output_dir, copy_tokenizer_files, progress_bar, run_cli,
+                           cli_parser)
 from convert.layout import iter_hf_tensors, param_specs
 
 
@@ -82,23 +82,14 @@ def convert_flax_to_hf(ckpt, out_dir, *, config: str | None = None, force: bool 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m convert.flax_to_hf", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli_parser("python -m convert.flax_to_hf", __doc__,
+                    "output HF directory (must not exist)")
     ap.add_argument("--ckpt", required=True, help="our model dir, params dir or train checkpoint")
-    ap.add_argument("--out", required=True, help="output HF directory (must not exist)")
     ap.add_argument("--config", default=None, help="config.json (default: found near --ckpt)")
     ap.add_argument("--max-shard-size-gb", type=float, default=5.0)
-    ap.add_argument("--force", action="store_true",
-                    help="replace an existing --out (never one that overlaps --ckpt)")
-    ap.add_argument("--quiet", action="store_true", help="no progress output")
-    a = ap.parse_args(argv)
-    try:
-        convert_flax_to_hf(a.ckpt, a.out, config=a.config, force=a.force,
-                           max_shard_bytes=int(a.max_shard_size_gb * 2**30), verbose=not a.quiet)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(ap, argv, lambda a: convert_flax_to_hf(
+        a.ckpt, a.out, config=a.config, force=a.force,
+        max_shard_bytes=int(a.max_shard_size_gb * 2**30), verbose=not a.quiet))
 
 
 if __name__ == "__main__":

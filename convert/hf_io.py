@@ -15,6 +15,7 @@ Progress is a tqdm bar (`progress_bar`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -318,3 +319,26 @@ def progress_bar(total_bytes: int, desc: str, verbose: bool = True) -> tqdm:
     Advance it with `bar.update(nbytes)`; `bar.set_postfix_str(name)` names the tensor."""
     return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=not verbose, file=sys.stderr, dynamic_ncols=True)
+
+
+def cli_parser(prog: str, doc: str, out_help: str) -> argparse.ArgumentParser:
+    """The converters' shared command line: --out, --force, --quiet (inputs added by each)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help=out_help)
+    return ap
+
+
+def run_cli(ap, argv, convert: Callable[[Any], Any]) -> int:
+    """Parse `argv` with `ap` (plus --force / --quiet), run `convert(args)`; a clear one-line
+    error and exit status 1 for what the user can fix."""
+    ap.add_argument("--force", action="store_true",
+                    help="replace an existing --out (never one that overlaps the input)")
+    ap.add_argument("--quiet", action="store_true", help="no progress output")
+    args = ap.parse_args(argv)
+    try:
+        convert(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -33,7 +33,6 @@ end.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -43,7 +42,8 @@ import numpy as np
 from cca_jax.checkpoint import LazyArray, save_pretrained
 from cca_jax.config import LlamaConfig, hf_weights_dtype, read_hf_config
 from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check_output_dir,
-                           copy_tokenizer_files, open_hf_weights, progress_bar)
+                           copy_tokenizer_files, open_hf_weights, progress_bar, run_cli,
+                           cli_parser)
 from convert.layout import ParamSpec, family_layout, param_specs
 
 OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
@@ -175,27 +175,17 @@ def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str | None = None,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m convert.hf_to_flax", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli_parser("python -m convert.hf_to_flax", __doc__, "output directory (must not exist)")
     ap.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
-    ap.add_argument("--out", required=True, help="output directory (must not exist)")
     ap.add_argument("--dtype", default=None, choices=sorted(OUT_DTYPES),
                     help="parameter dtype (default: the checkpoint's own)")
     ap.add_argument("--group-size", type=int, default=None,
                     help="CCA group size g (default: config.json's, else 16)")
     ap.add_argument("--window-size", type=int, default=None,
                     help="CCA local window s (default: config.json's, else 1024)")
-    ap.add_argument("--force", action="store_true",
-                    help="replace an existing --out (never one that overlaps --hf)")
-    ap.add_argument("--quiet", action="store_true", help="no progress output")
-    a = ap.parse_args(argv)
-    try:
-        convert_hf_to_flax(a.hf, a.out, dtype=a.dtype, group_size=a.group_size,
-                           window_size=a.window_size, force=a.force, verbose=not a.quiet)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(ap, argv, lambda a: convert_hf_to_flax(
+        a.hf, a.out, dtype=a.dtype, group_size=a.group_size, window_size=a.window_size,
+        force=a.force, verbose=not a.quiet))
 
 
 if __name__ == "__main__":

@@ -190,29 +190,25 @@ def _backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, p: Bloc
         lo, hi = _slice(core_lo, r0, p.block_q), _slice(core_hi, r0, p.block_q)
         raw_range, core_range = _block_ranges(r0, rlo, lo, hi, p)
 
-        def grads(s, mask, keys, values, spec_kv):
-            """dq contribution and (dk, dv) of one block; spec_kv names the key layout."""
-            probs = jnp.where(mask, jnp.exp(s - lse_b), 0.0)
-            dvb = f32(f"bhgqk,bqhgd->{spec_kv}", probs.astype(values.dtype), dob)
-            ds = (probs * (f32(f"bqhgd,{spec_kv}->bhgqk", dob, values) - delta_b)).astype(qp.dtype)
-            dq_b = f32(f"bhgqk,{spec_kv}->bqhgd", ds, keys) * p.scale
-            dkb = f32(f"bhgqk,bqhgd->{spec_kv}", ds, qb) * p.scale
-            return dq_b, dkb, dvb
+        def block_step(scores, block: int, spec_kv: str):
+            """Loop body over one kind of key block: adds its dq contribution and its
+            (dk, dv); `scores(j)` gives the block's keys, values, scores and mask."""
+            def step(j, state):
+                dq_b, dk, dv = state
+                keys, values, s, mask = scores(j)
+                probs = jnp.where(mask, jnp.exp(s - lse_b), 0.0)
+                dvb = f32(f"bhgqk,bqhgd->{spec_kv}", probs.astype(values.dtype), dob)
+                ds = probs * (f32(f"bqhgd,{spec_kv}->bhgqk", dob, values) - delta_b)
+                ds = ds.astype(qp.dtype)
+                dq_b = dq_b + f32(f"bhgqk,{spec_kv}->bqhgd", ds, keys) * p.scale
+                dkb = f32(f"bhgqk,bqhgd->{spec_kv}", ds, qb) * p.scale
+                return dq_b, _add_at(dk, j * block, dkb), _add_at(dv, j * block, dvb)
+            return step
 
-        def raw_step(j, state):
-            dq_b, dk, dv = state
-            kb, vb, s, mask = _raw_scores(qb, kp, vp, r0, j, rlo, p)
-            ddq, dkb, dvb = grads(s, mask, kb, vb, "bkhd")
-            k0 = j * p.block_q
-            return dq_b + ddq, _add_at(dk, k0, dkb), _add_at(dv, k0, dvb)
-
-        def core_step(c, state):
-            dq_b, dck, dcv = state
-            ckb, cvb, s, mask = _core_scores(qb, ckp, cvp, c, lo, hi, p)
-            ddq, dckb, dcvb = grads(s, mask, ckb, cvb, "bkhgd")
-            c0 = c * p.block_c
-            return dq_b + ddq, _add_at(dck, c0, dckb), _add_at(dcv, c0, dcvb)
-
+        raw_step = block_step(lambda j: _raw_scores(qb, kp, vp, r0, j, rlo, p),
+                              p.block_q, "bkhd")
+        core_step = block_step(lambda c: _core_scores(qb, ckp, cvp, c, lo, hi, p),
+                               p.block_c, "bkhgd")
         dq_b = jnp.zeros(qb.shape, jnp.float32)
         dq_b, dk, dv = jax.lax.fori_loop(*raw_range, raw_step, (dq_b, dk, dv))
         dq_b, dck, dcv = jax.lax.fori_loop(*core_range, core_step, (dq_b, dck, dcv))
