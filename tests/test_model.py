@@ -98,10 +98,13 @@ def test_bfloat16_parameters_and_float32_logits():
     logits = model(ids())
     assert logits.dtype == jnp.float32
     ref = same_params(model, TINY)(ids())  # float32 compute on the same (bf16) weights
-    assert np.abs(np.asarray(logits - ref)).max() < 0.1
+    # bf16 activations: measured max abs difference 3.2e-3; tolerance 1e-2
+    assert np.abs(np.asarray(logits - ref)).max() < 1e-2
 
 
 def test_tied_embeddings_and_qkv_bias():
+    """Layout and use of the options; their values are checked against transformers (Qwen2:
+    tied embeddings and random q/k/v biases) in tests/test_convert.py."""
     cfg = TINY.replace(tie_word_embeddings=True, qkv_bias=True)
     model = build(cfg)
     state = nnx.state(model, nnx.Param)
@@ -109,9 +112,11 @@ def test_tied_embeddings_and_qkv_bias():
     attn = state["layers"]["self_attn"]
     assert attn["q_proj"]["bias"].shape == (2, 64)
     assert "bias" not in attn["o_proj"]
-    hidden = model.hidden_states(ids())
-    np.testing.assert_allclose(model(ids()), hidden @ model.embed_tokens.embedding[...].T,
-                               atol=1e-5)
+    np.testing.assert_array_equal(model.output_weight(), model.embed_tokens.embedding[...].T)
+    before = np.asarray(model(ids()))
+    bias = model.layers.self_attn.k_proj.bias
+    bias[...] = jax.random.normal(jax.random.PRNGKey(1), bias.shape)
+    assert np.abs(np.asarray(model(ids())) - before).max() > 1e-3, "k bias unused"
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -121,10 +126,19 @@ def test_tied_embeddings_and_qkv_bias():
      "segment_ids"),
     (dict(input_ids=jnp.zeros((2, 40), jnp.int32), positions=jnp.zeros((1, 40), jnp.int32)),
      "positions"),
+    (dict(input_ids=[[1, 2, 3]]), "not a list"),
+    (dict(input_ids=jnp.full((1, 8), 97, jnp.int32)), r"\[0, 97\)"),      # id == vocab_size
+    (dict(input_ids=jnp.full((1, 8), -1, jnp.int32)), r"\[0, 97\)"),      # would wrap around
+    (dict(input_ids=jnp.zeros((1, 600), jnp.int32)), "max_position_embeddings=512"),
+    (dict(input_ids=jnp.zeros((1, 8), jnp.int32), positions=jnp.full((1, 8), 600)),
+     "max_position_embeddings=512"),
 ])
 def test_bad_inputs(bad, match):
     with pytest.raises(ValueError, match=match):
-        build()(**bad)
+        _SHORT_MODEL(**bad)
+
+
+_SHORT_MODEL = build(TINY.replace(max_position_embeddings=512))
 
 
 @pytest.mark.slow   # 35 s; tests/test_options.py checks the jaxpr for L x L arrays by default

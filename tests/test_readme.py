@@ -39,3 +39,13 @@ def test_readme_blocks_run_as_written(tmp_path):
             assert done.returncode == 0, f"{' '.join(argv)[:200]}\n{done.stderr[-3000:]}"
     assert (tmp_path / "runs" / "tiny" / "metrics.jsonl").exists()
     assert (tmp_path / "tiny-cca-hf" / "config.json").exists()
+
+
+def test_spec_copy_is_current():
+    """docs/SPEC.md is the project's SPEC verbatim (the shared one wins; refresh the copy)."""
+    shared = ROOT.parent / "shared" / "SPEC.md"
+    if not shared.exists():
+        import pytest
+        pytest.skip("no shared/SPEC.md beside the repository")
+    assert (ROOT / "docs" / "SPEC.md").read_text() == shared.read_text(), (
+        "docs/SPEC.md differs from ../shared/SPEC.md: copy it again")
