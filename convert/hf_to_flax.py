@@ -1,7 +1,8 @@
 """Hugging Face LLaMA / Mistral / Qwen2 checkpoint -> cca_jax model directory (orbax).
 
     python -m convert.hf_to_flax --hf HF_DIR --out OUT_DIR [--dtype bfloat16|float32|float16]
-        [--group-size 16 --window-size 1024] [--force] [--quiet]
+        [--attention cca|full|sliding|streaming --group-size 16 --window-size 1024
+         --sink-tokens 4] [--force] [--quiet]
 
 Output: `OUT/config.json` (HF format + our attention settings), `OUT/params/` (orbax PyTree
 of our stacked parameter tree, see `cca_jax.checkpoint`), tokenizer files copied from HF_DIR.
@@ -40,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from cca_jax.checkpoint import LazyArray, save_pretrained
+from cca_jax.blocks import ATTENTION_KINDS
 from cca_jax.config import LlamaConfig, hf_weights_dtype, read_hf_config
 from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check_output_dir,
                            copy_tokenizer_files, open_hf_weights, progress_bar, run_cli,
@@ -134,13 +136,14 @@ def lazy_params(reader: WeightReader, specs: list[ParamSpec], dtype: np.dtype,
 
 
 def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str | None = None,
-                       group_size: int | None = None, window_size: int | None = None,
+                       attention: str | None = None, group_size: int | None = None,
+                       window_size: int | None = None, sink_tokens: int | None = None,
                        force: bool = False, verbose: bool = True) -> Path:
     """Convert; returns the output directory. Raises before writing on bad input.
 
-    `dtype`: default the checkpoint's own (see the module docstring). `group_size` /
-    `window_size` default to the CCA settings recorded in config.json (a checkpoint exported
-    by flax_to_hf keeps them), else to LlamaConfig's defaults.
+    `dtype`: default the checkpoint's own (see the module docstring). The attention settings
+    default to those recorded in config.json (a checkpoint exported by flax_to_hf keeps them;
+    a sliding-window checkpoint its window), else to LlamaConfig's defaults.
     """
     hf_dir = Path(hf_dir)
     if dtype is not None:
@@ -148,9 +151,10 @@ def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str | None = None,
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"--hf {hf_dir} is not a directory.")
     check_output_dir(out_dir, [hf_dir], force)
-    attention = {k: v for k, v in (("group_size", group_size), ("window_size", window_size))
-                 if v is not None}
-    cfg = LlamaConfig.from_pretrained_dir(hf_dir, **attention)
+    settings = {k: v for k, v in (("attention", attention), ("group_size", group_size),
+                                  ("window_size", window_size), ("sink_tokens", sink_tokens))
+                if v is not None}
+    cfg = LlamaConfig.from_pretrained_dir(hf_dir, **settings)
     reader = open_hf_weights(hf_dir)
     if dtype is None:
         dtype, found_in = source_dtype(hf_dir, reader)
@@ -179,13 +183,17 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--dtype", default=None, choices=sorted(OUT_DTYPES),
                     help="parameter dtype (default: the checkpoint's own)")
-    ap.add_argument("--group-size", type=int, default=None,
-                    help="CCA group size g (default: config.json's, else 16)")
+    ap.add_argument("--attention", default=None, choices=sorted(ATTENTION_KINDS),
+                    help="attention option recorded in config.json (default: the checkpoint's,"
+                         " else cca; a sliding-window checkpoint: sliding)")
+    ap.add_argument("--group-size", type=int, default=None, help="CCA group size g")
     ap.add_argument("--window-size", type=int, default=None,
-                    help="CCA local window s (default: config.json's, else 1024)")
+                    help="CCA local window s, or the sliding / streaming window W")
+    ap.add_argument("--sink-tokens", type=int, default=None, help="streaming's sinks N")
     return run_cli(ap, argv, lambda a: convert_hf_to_flax(
-        a.hf, a.out, dtype=a.dtype, group_size=a.group_size, window_size=a.window_size,
-        force=a.force, verbose=not a.quiet))
+        a.hf, a.out, dtype=a.dtype, attention=a.attention, group_size=a.group_size,
+        window_size=a.window_size, sink_tokens=a.sink_tokens, force=a.force,
+        verbose=not a.quiet))
 
 
 if __name__ == "__main__":
