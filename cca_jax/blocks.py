@@ -365,3 +365,131 @@ def row_blocks_for_interval(a0, a1, b0, b1, block_q: int):
     full_first = _minimum(_cdiv(a1, block_q), last)
     full_last = _minimum(_maximum((b0 + 1) // block_q, full_first), last)
     return first, full_first, full_last, last
+
+
+# ---- Queries at any position against a KV cache (ring of raw keys + slots) -----------------
+# The KV cache of one sequence (`cca_jax.kv_cache`) holds
+#   * a ring of `R = ring_size(pattern, max_len)` raw keys/values: position `u` lives in
+#     entry `u % R`, so once positions `0 .. t` are written, entry `i` holds the latest
+#     `u <= t` with `u % R == i` (`ring_positions`);
+#   * slots `0 .. C-1`, `C = pattern.max_slots(max_len)`: slot `c` summarises positions
+#     `[c * slot_size, (c + 1) * slot_size)` and is written when its last token
+#     `(c + 1) * slot_size - 1` is processed (`completed_slot`), pooled with that token's query.
+# What a query at absolute in-sequence position `t` sees of it comes from
+# `AttentionPattern.raw_start` / `num_slots` only: ring entries whose position `u` satisfies
+# `raw_start(t) <= u <= t` (`u > t - R` holds by construction, and `R` covers the widest
+# window: `widest_window`), and slots `c < num_slots(t)`.
+
+# Ring capacity per option before clipping to max_len: the widest raw window a query sees,
+# and for cca SPEC section 4's `s + g` ("the local window plus the group that is still
+# filling"; the widest window is `s + g - 1`, so one entry is spare).
+RING_SIZES: dict[str, Callable] = {
+    "full": lambda pat, max_len: max_len,
+    "sliding": lambda pat, max_len: pat.window_size,
+    "streaming": lambda pat, max_len: pat.window_size,
+    "cca": lambda pat, max_len: pat.window_size + pat.group_size,
+}
+
+
+def ring_size(pattern: AttentionPattern, max_len: int) -> int:
+    """Raw keys/values the cache keeps per KV head for sequences of up to `max_len` tokens."""
+    return max(1, min(max_len, RING_SIZES[pattern.kind](pattern, max_len)))
+
+
+def widest_window(pattern: AttentionPattern, max_len: int) -> int:
+    """The most raw keys any query `t < max_len` sees: `max(t - raw_start(t) + 1)`."""
+    t = np.arange(max_len, dtype=np.int64)
+    return int(np.max(t - pattern.raw_start(t) + 1)) if max_len else 0
+
+
+def _arange_like(n: int, t):
+    if isinstance(t, (int, np.integer, np.ndarray)):
+        return np.arange(n)
+    return jnp.arange(n, dtype=jnp.asarray(t).dtype)
+
+
+def _expand(t):
+    if isinstance(t, (int, np.integer)):
+        return np.asarray(t)[None]
+    return t[..., None]
+
+
+def ring_positions(t, ring: int):
+    """`[..., R]`: the position held by each ring entry once positions `0 .. t` are written
+    (negative: never written). `t`: int or int array of any shape."""
+    t = _expand(t)
+    i = _arange_like(ring, t)
+    return t - (t - i) % ring
+
+
+def ring_order(p0, ring: int):
+    """`[..., R]`: the ring entries holding positions `p0 - R .. p0 - 1`, in position order
+    (entry `v` holds position `p0 - R + v`, meaningful when that is >= 0)."""
+    p0 = _expand(p0)
+    return (p0 + _arange_like(ring, p0)) % ring
+
+
+def cache_raw_visible(pattern: AttentionPattern, t, ring: int):
+    """`[..., R]` bool: ring entries the query at position `t` sees (positions 0 .. t
+    written): those holding `u` with `u >= 0` and `raw_start(t) <= u` (`u <= t` always)."""
+    u = ring_positions(t, ring)
+    return (u >= 0) & (u >= _expand(pattern.raw_start(t)))
+
+
+def cache_slot_visible(pattern: AttentionPattern, t, num_slots: int):
+    """`[..., C]` bool: slots the query at position `t` sees: `c < num_slots(t)`."""
+    return _arange_like(num_slots, t) < _expand(pattern.num_slots(t))
+
+
+def completed_slot(pattern: AttentionPattern, t):
+    """The slot whose last token is position `t`, or -1 when `t` completes none. The cache
+    stores it only if it is `< C` (later slots are never visible within max_len)."""
+    size = pattern.slot_size
+    done = (t + 1) % size == 0
+    c = (t + 1) // size - 1
+    if isinstance(done, (bool, np.bool_)):
+        return c if done else -1
+    return np.where(done, c, -1) if isinstance(done, np.ndarray) else jnp.where(done, c, -1)
+
+
+def _xp(x):
+    """numpy for numpy inputs (host-side tables, tests), jax.numpy otherwise."""
+    return np if isinstance(x, (np.ndarray, np.integer, int)) else jnp
+
+
+def chunk_ranges(pattern: AttentionPattern, p0, chunk: int, front: int, num_slots: int):
+    """Row bounds for a chunk of queries at positions `[p0, p0 + chunk)` against the cache.
+
+    The chunk is laid out as one "virtual" self-attention sequence of `front + chunk` rows:
+    index `x` holds position `x - front + p0` (`front >= R`: rows `front - R .. front - 1` are
+    the ring in position order, `ring_order(p0, R)`; rows before are never visible). Query row
+    `front + r` is the query at position `p0 + r`; rows `0 .. front - 1` are padding that sees
+    only itself (fill whole query blocks with them: the bounds restart there).
+    p0: int array `[B]` (numpy in, numpy out; else jnp). Returns int32 `raw_lo, core_lo,
+    core_hi` `[B, front + chunk]` (core: the cache's slots, `[0, num_slots(t))`).
+    """
+    xp = _xp(p0)
+    p0 = xp.asarray(p0, dtype=xp.int32)[:, None]
+    t = p0 + xp.arange(chunk, dtype=xp.int32)
+    pad = xp.broadcast_to(xp.arange(front, dtype=xp.int32), (p0.shape[0], front))
+    raw_lo = xp.concatenate([pad, pattern.raw_start(t) - p0 + front], axis=1)
+    core_hi = xp.minimum(pattern.num_slots(t), num_slots)
+    core_hi = xp.concatenate([xp.zeros_like(pad), core_hi], axis=1).astype(xp.int32)
+    return raw_lo.astype(xp.int32), xp.zeros_like(core_hi), core_hi
+
+
+def chunk_slots(pattern: AttentionPattern, p0, chunk: int, front: int):
+    """Slots completed by a chunk at positions `[p0, p0 + chunk)` (layout of `chunk_ranges`).
+
+    Returns `(slot, start)`, int32 `[B, n]` with `n = ceil(chunk / slot_size)` candidates:
+    slot indices, in order, whose last token may fall in the chunk, and the virtual index of
+    each one's first token. A candidate is real iff its last token
+    `(slot + 1) * slot_size - 1` is `< p0 + (tokens of the chunk)`.
+    """
+    xp = _xp(p0)
+    size = pattern.slot_size
+    n = -(-chunk // size)
+    p0 = xp.asarray(p0, dtype=xp.int32)[:, None]
+    first = (p0 + size) // size - 1          # the first slot ending at or after p0
+    slot = first + xp.arange(n, dtype=xp.int32)
+    return slot, slot * size - p0 + front

@@ -1,0 +1,308 @@
+"""Cached forward passes: the chunked prefill and the decode step (SPEC section 4, property 6).
+
+Both run the model's own submodules (`embed_tokens`, the stacked `layers` through
+`nnx.split` and one `lax.scan`, each layer's norms, projections and MLP, `norm`, `logits`) and
+`cca_jax.rope`, so weights and math are exactly `LlamaForCausalLM`'s; only the attention
+reads and writes the `KVCache`. What each query sees comes from `cca_jax.blocks`.
+
+Prefill, one chunk of queries at positions `[p0, p0 + n)` per row (`p0` = the row's cache
+length): a virtual self-attention sequence is built per layer,
+    [ front - R unused rows | the ring in position order (p0 - R .. p0 - 1) | the chunk ],
+(`blocks.ring_order`), the chunk's queries sit at their keys' rows and the `front` rows before
+them are padding (whole query blocks that see only themselves). Slots completed inside the
+chunk are pooled from that sequence with their last token's query (`blocks.chunk_slots`) and
+written into the cache's slots, then the blocked XLA attention runs with the per-row bounds of
+`blocks.chunk_ranges`, and the chunk's keys/values go into the ring. Memory: the cache plus
+one chunk (plus the ring once) per layer, at any prompt length.
+
+Decode, one token per row at position `p` = its cache length: its key/value goes into ring
+entry `p % R`, a slot completed by it is pooled from the ring, and its query runs one masked
+softmax over the ring (`blocks.cache_raw_visible`) and the slots (`blocks.cache_slot_visible`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cca_jax import blocks
+from cca_jax.attention.pooling import pool_core_tokens
+from cca_jax.attention.xla import Blocking, blocked_attention
+from cca_jax.config import LlamaConfig
+from cca_jax.kv_cache import KVCache
+from cca_jax.padding import round_up
+from cca_jax.rope import apply_rope, rope_cos_sin
+
+DEFAULT_CHUNK_SIZE = 2048
+_MASKED = -1e30  # finite, as in the blocked attention: no inf - inf
+
+
+# ---- shared layer machinery --------------------------------------------------------------
+
+def _check_cache(cfg: LlamaConfig, cache: KVCache) -> None:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache (kv_cache.init_cache), "
+                         f"got {type(cache).__name__}.")
+    if cache.pattern != cfg.attention.pattern:
+        raise ValueError(
+            f"The cache was made for {cache.pattern}, the model runs {cfg.attention.pattern}: "
+            "create the cache from this model's config (kv_cache.init_cache(model.config, ...)).")
+    want_raw = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    want_slots = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim)
+    got_raw = (cache.k.shape[0], *cache.k.shape[3:])
+    got_slots = (cache.ck.shape[0], *cache.ck.shape[3:])
+    if got_raw != want_raw or got_slots != want_slots:
+        raise ValueError(
+            f"The cache's (layers, heads, head_dim) {got_raw} / {got_slots} do not match the "
+            f"model's {want_raw} / {want_slots}: make it with init_cache(model.config, ...).")
+
+
+def _layer(x, i):
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _scatter(x, i, rows, index, update):
+    """`x[i, rows, index] = update`; out-of-range indices (the size of the axis) drop."""
+    return x.at[i, rows, index].set(update.astype(x.dtype), mode="drop")
+
+
+def _run_layers(model, cache: KVCache, x, cos, sin, attend):
+    """The model's decoder stack on `x` `[B, n, hidden]` with `attend` as the attention core.
+
+    attend(i, q, k, v, cache) -> (out `[B, n, Hq, D]`, cache), with q `[B, n, Hq, D]` and k, v
+    `[B, n, Hkv, D]` of layer `i`, RoPE applied. Returns the final normed hidden states.
+    """
+    cfg = model.config
+    graphdef, stacked = nnx.split(model.layers)
+
+    def body(carry, xs):
+        x, cache = carry
+        i, layer_state = xs
+        layer = nnx.merge(graphdef, layer_state)
+        attn = layer.self_attn
+        b, n, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).reshape(b, n, cfg.num_attention_heads, cfg.head_dim)
+        k = attn.k_proj(h).reshape(b, n, cfg.num_key_value_heads, cfg.head_dim)
+        v = attn.v_proj(h).reshape(b, n, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, cache = attend(i, q, k, v, cache)
+        x = x + attn.o_proj(out.astype(x.dtype).reshape(b, n, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return (x, cache), None
+
+    layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, stacked))
+    return model.norm(x), cache
+
+
+# ---- prefill -----------------------------------------------------------------------------
+
+def chunk_blocking(chunk: int, ring: int, num_slots: int, head_dim: int):
+    """(front, Blocking) of a prefill chunk: `front >= ring` padding rows, whole query blocks."""
+    block_q = min(512, round_up(chunk, 16))
+    block_c = min(512, round_up(max(num_slots, 1), 16))
+    front = round_up(ring, block_q)
+    return front, Blocking(1.0 / math.sqrt(head_dim), block_q, block_c,
+                           round_up(front + chunk, block_q), round_up(max(num_slots, 1), block_c))
+
+
+def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False):
+    graphdef, state = model_state
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    _check_cache(cfg, cache)
+    pat = cache.pattern
+    b, n = ids.shape
+    ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
+    front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
+    total = front + n
+
+    p0 = cache.lengths
+    r = jnp.arange(n, dtype=jnp.int32)
+    pos = p0[:, None] + r
+    end = p0 + n_valid
+    rows = jnp.arange(b)[:, None]
+    # Only the last R tokens of a chunk stay in the ring (no two writes to one entry).
+    write = jnp.where((r < n_valid[:, None]) & (pos >= end[:, None] - ring), pos % ring, ring)
+    order = blocks.ring_order(p0, ring)
+    raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
+    if num_slots:
+        slot, start = blocks.chunk_slots(pat, p0, n, front)
+        done = ((slot + 1) * size - 1 < end[:, None]) & (slot < num_slots)
+        slot = jnp.where(done, slot, num_slots)
+        start = jnp.clip(start, 0, total - size)
+
+    def virtual(ring_x, new):
+        old = jnp.take_along_axis(ring_x, order[:, :, None, None], axis=1)
+        unused = jnp.zeros((b, front - ring, *ring_x.shape[2:]), ring_x.dtype)
+        return jnp.concatenate([unused, old, new.astype(ring_x.dtype)], axis=1)
+
+    def attend(i, q, k, v, cache):
+        kv_k, kv_v = virtual(_layer(cache.k, i), k), virtual(_layer(cache.v, i), v)
+        qv = jnp.concatenate([jnp.zeros((b, front, *q.shape[2:]), kv_k.dtype),
+                              q.astype(kv_k.dtype)], axis=1)
+        ck, cv = cache.ck, cache.cv
+        if num_slots:
+            new_ck, new_cv = pool_core_tokens(qv, kv_k, kv_v, group_size=size,
+                                              num_groups=slot.shape[1],
+                                              pooling=cfg.attention.pooling, group_start=start)
+            ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
+        out = blocked_attention(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo,
+                                core_hi, blocking)[:, front:]
+        cache = cache.replace(k=_scatter(cache.k, i, rows, write, k),
+                              v=_scatter(cache.v, i, rows, write, v), ck=ck, cv=cv)
+        return out, cache
+
+    cos, sin = rope_cos_sin(pos, cfg)
+    hidden, cache = _run_layers(model, cache, model.embed_tokens(ids), cos, sin, attend)
+    cache = cache.replace(lengths=end)
+    last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
+    last_logits = model.logits(last[:, 0])
+    if all_logits:
+        return cache, last_logits, model.logits(hidden)
+    return cache, last_logits
+
+
+prefill_chunk = jax.jit(_prefill_chunk, static_argnames=("all_logits",),
+                        donate_argnames=("cache",))
+prefill_chunk.__doc__ = """One prefill chunk, jitted: `(model_state, cache, ids [B, n], n_valid [B])
+-> (cache, logits of each row's last valid token [B, V])` (`all_logits=True`: also `[B, n, V]`).
+
+Row `b`'s first `n_valid[b]` tokens of `ids` go in at positions `cache.lengths[b] ...`; the
+others are ignored (nothing of them enters the cache). `model_state = nnx.split(model)`. The
+cache is donated."""
+
+
+def prefill(model, cache: KVCache, input_ids, lengths=None, *,
+            chunk_size: int = DEFAULT_CHUNK_SIZE, return_all_logits: bool = False):
+    """Append prompts to the cache in chunks of `chunk_size` tokens.
+
+    input_ids: int `[B, T]`; row `b` appends its first `lengths[b]` tokens (default all `T`)
+    at positions `cache.lengths[b] ...`. Each chunk attends to the cache so far plus itself,
+    so memory is the cache plus one chunk at any prompt length; every chunk has the same
+    shape (one compilation per chunk size). Returns `(cache, logits [B, V])`, the logits after
+    each row's last prompt token (zeros for rows with none), float32; with
+    `return_all_logits`, also the logits of every position, `[B, max(lengths), V]` (memory:
+    that many floats). The cache passed in is consumed (donated).
+    """
+    cfg = model.config
+    _check_cache(cfg, cache)
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or ids.shape[0] != cache.batch or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an int array [batch={cache.batch}, seq], got "
+                         f"shape {ids.shape} dtype {ids.dtype}.")
+    b, t = ids.shape
+    lengths = np.full((b,), t) if lengths is None else np.asarray(lengths)
+    if lengths.shape != (b,) or lengths.min(initial=0) < 0 or lengths.max(initial=0) > t:
+        raise ValueError(f"lengths must be [batch={b}] ints in [0, {t}], got {lengths}.")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    for row in range(b):
+        if lengths[row] and (ids[row, :lengths[row]].min() < 0
+                             or ids[row, :lengths[row]].max() >= cfg.vocab_size):
+            raise ValueError(f"token ids of row {row} must lie in [0, {cfg.vocab_size}).")
+    start = np.asarray(cache.lengths)
+    if np.any(start + lengths > cache.max_len):
+        raise ValueError(f"prompt of {int((start + lengths).max())} tokens (with the cache's "
+                         f"{int(start.max())}) exceeds the cache's max_len={cache.max_len}.")
+    chunk = min(chunk_size, max(t, 1))
+    model_state = nnx.split(model)
+    last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+    all_logits = []
+    for c0 in range(0, max(int(lengths.max(initial=0)), 1), chunk):
+        part = np.zeros((b, chunk), np.int32)
+        width = min(chunk, t - c0)
+        part[:, :width] = ids[:, c0:c0 + width]
+        n_valid = np.clip(lengths - c0, 0, chunk).astype(np.int32)
+        out = prefill_chunk(model_state, cache, jnp.asarray(part), jnp.asarray(n_valid),
+                            all_logits=return_all_logits)
+        cache, chunk_last = out[0], out[1]
+        last = jnp.where(jnp.asarray(n_valid > 0)[:, None], chunk_last, last)
+        if return_all_logits:
+            all_logits.append(out[2][:, :width])
+    if return_all_logits:
+        longest = int(lengths.max(initial=0))
+        return cache, last, jnp.concatenate(all_logits, axis=1)[:, :longest]
+    return cache, last
+
+
+# ---- decode ------------------------------------------------------------------------------
+
+def cached_attention(q, k_ring, v_ring, ck, cv, raw_visible, slot_visible):
+    """One query per row against the cache: q `[B, Hq, D]`, ring `[B, R, Hkv, D]`, slots
+    `[B, C, Hq, D]`, masks `[B, R]` / `[B, C]`; one float32 softmax over both. -> `[B, Hq, D]`."""
+    b, hq, d = q.shape
+    hkv = k_ring.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scale = 1.0 / math.sqrt(d)
+    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    s_raw = f32("bhgd,brhd->bhgr", qg, k_ring) * scale
+    s_raw = jnp.where(raw_visible[:, None, None], s_raw, _MASKED)
+    cg = lambda x: x.reshape(b, x.shape[1], hkv, hq // hkv, d)  # noqa: E731
+    s_slot = f32("bhgd,bchgd->bhgc", qg, cg(ck)) * scale
+    s_slot = jnp.where(slot_visible[:, None, None], s_slot, _MASKED)
+    top = jnp.maximum(s_raw.max(-1), s_slot.max(-1, initial=_MASKED))[..., None]
+    p_raw = jnp.where(raw_visible[:, None, None], jnp.exp(s_raw - top), 0.0)
+    p_slot = jnp.where(slot_visible[:, None, None], jnp.exp(s_slot - top), 0.0)
+    denom = p_raw.sum(-1) + p_slot.sum(-1)
+    out = (f32("bhgr,brhd->bhgd", p_raw.astype(v_ring.dtype), v_ring)
+           + f32("bhgc,bchgd->bhgd", p_slot.astype(cv.dtype), cg(cv)))
+    return (out / denom[..., None]).reshape(b, hq, d)
+
+
+def _decode_step(model_state, cache: KVCache, tokens, active=None):
+    graphdef, state = model_state
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    _check_cache(cfg, cache)
+    pat = cache.pattern
+    ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
+    b = tokens.shape[0]
+    active = jnp.ones((b,), bool) if active is None else active
+    p = cache.lengths
+    rows = jnp.arange(b)[:, None]
+    write = jnp.where(active, p % ring, ring)[:, None]
+    raw_visible = blocks.cache_raw_visible(pat, p, ring)
+    slot_visible = blocks.cache_slot_visible(pat, p, num_slots)
+    if num_slots:
+        c = blocks.completed_slot(pat, p)
+        slot = jnp.where(active & (c >= 0) & (c < num_slots), c, num_slots)[:, None]
+        members = (p[:, None] - size + 1 + jnp.arange(size)) % ring
+
+    def attend(i, q, k, v, cache):
+        k_all = _scatter(cache.k, i, rows, write, k)
+        v_all = _scatter(cache.v, i, rows, write, v)
+        k_ring, v_ring = _layer(k_all, i), _layer(v_all, i)
+        q = q.astype(k_ring.dtype)
+        ck, cv = cache.ck, cache.cv
+        if num_slots:
+            k_members = jnp.take_along_axis(k_ring, members[:, :, None, None], axis=1)
+            v_members = jnp.take_along_axis(v_ring, members[:, :, None, None], axis=1)
+            q_group = jnp.concatenate([jnp.zeros((b, size - 1, *q.shape[2:]), q.dtype), q], 1)
+            new_ck, new_cv = pool_core_tokens(q_group, k_members, v_members, group_size=size,
+                                              num_groups=1, pooling=cfg.attention.pooling)
+            ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
+        out = cached_attention(q[:, 0], k_ring, v_ring, _layer(ck, i), _layer(cv, i),
+                               raw_visible, slot_visible)
+        return out[:, None], cache.replace(k=k_all, v=v_all, ck=ck, cv=cv)
+
+    cos, sin = rope_cos_sin(p[:, None], cfg)
+    x = model.embed_tokens(tokens[:, None])
+    hidden, cache = _run_layers(model, cache, x, cos, sin, attend)
+    cache = cache.replace(lengths=p + active.astype(p.dtype))
+    return model.logits(hidden[:, 0]), cache
+
+
+decode_step = jax.jit(_decode_step, donate_argnames=("cache",))
+decode_step.__doc__ = """One token per row through the cache, jitted once, reused for every token:
+`decode_step(model_state, cache, tokens [B], active [B] bool | None) -> (logits [B, V], cache)`.
+
+`model_state = nnx.split(model)`. Row `b`'s token sits at position `cache.lengths[b]`; rows
+with `active[b]` False (finished sequences) write nothing and keep their length (their
+logits are meaningless). The cache is donated; positions must stay below `cache.max_len`."""

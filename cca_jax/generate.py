@@ -1,0 +1,434 @@
+"""Text generation through the KV cache: the Python API and the CLI.
+
+    from cca_jax.generate import generate
+    new_ids = generate(model, [[1, 450, 4996], [1, 9038]], max_new_tokens=32)
+
+runs every prompt in one batch (each row at its own position, group boundary and ring state):
+a chunked prefill (`cca_jax.decode.prefill`), then one jitted decode step per token
+(`cca_jax.decode.decode_step`, compiled once), sampling with `cca_jax.sampling`. Rows that
+emit an end-of-sequence token stop (they keep their cache and feed padding).
+
+    python -m cca_jax.generate --ckpt DIR --prompt "Once upon a time" --max-new-tokens 64
+
+streams the continuation to stdout as text; the prompt tokens, time to first token, decode
+speed and KV cache size go to stderr. `--attention/--group-size/--window-size/--sink-tokens`
+override the checkpoint's attention settings (CCA's inference flexibility).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cca_jax.decode import DEFAULT_CHUNK_SIZE, decode_step, prefill
+from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
+from cca_jax.padding import round_up
+from cca_jax.sampling import check_sampling, sample
+
+# Prompt widths and default max_len are rounded up to this, so prompts of similar lengths
+# share one compiled prefill and decode step.
+LENGTH_BUCKET = 64
+_FROM_CONFIG = object()
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Filled in by `stream_generate` as it runs (seconds, tokens, bytes)."""
+    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    max_len: int = 0
+    time_to_first_token: float = 0.0     # prefill + first sample (incl. compilation)
+    first_decode_step_seconds: float = 0.0   # the first decode step (incl. compilation)
+    decode_tokens: int = 0      # tokens of the later decode steps, all rows together
+    decode_seconds: float = 0.0  # time in those steps (decode + sample), not the consumer's
+    kv_cache_bytes: int = 0
+    full_attention_kv_cache_bytes: int = 0
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (int(value),)
+
+
+def _check_prompts(input_ids, vocab_size: int) -> list[list[int]]:
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence) or not input_ids:
+        raise ValueError("input_ids must be a non-empty list of token-id lists, one per prompt "
+                         f"(e.g. [[1, 450, 4996]]), got {type(input_ids).__name__}.")
+    prompts = []
+    for i, row in enumerate(input_ids):
+        row = np.asarray(row).tolist() if hasattr(row, "shape") else row
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(row).__name__}; "
+                             "tokenize text first (or pass [[ids...]] for one prompt).")
+        if not row:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. BOS).")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in row):
+            raise ValueError(f"prompt {i} must hold ints only.")
+        if min(row) < 0 or max(row) >= vocab_size:
+            raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size}) (vocab_size), "
+                             f"got min {min(row)} max {max(row)}: is the tokenizer the "
+                             "model's own?")
+        prompts.append([int(t) for t in row])
+    return prompts
+
+
+def resolve_max_len(prompt_len: int, max_new_tokens: int, max_len, max_positions: int) -> int:
+    """The cache's max_len: `max_len` if given (checked), else prompt + new tokens rounded up
+    to `LENGTH_BUCKET` (within max_position_embeddings)."""
+    need = prompt_len + max_new_tokens
+    if max_len is None:
+        if need > max_positions:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+                f"exceeds the model's max_position_embeddings={max_positions}. Generate fewer "
+                "tokens, or raise max_position_embeddings (from_pretrained(..., "
+                "max_position_embeddings=N)) for longer contexts.")
+        return min(round_up(need, LENGTH_BUCKET), max_positions)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}.")
+    if need > max_len:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                         f"{need} exceeds max_len={max_len}: raise max_len or generate fewer.")
+    return max_len
+
+
+def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float = 0.0,
+                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                    stop_at_eos: bool = True, max_len: int | None = None,
+                    chunk_size: int = DEFAULT_CHUNK_SIZE, eos_token_id=_FROM_CONFIG,
+                    stats: GenerationStats | None = None,
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`generate`, one step at a time: yields `(tokens [B], emitted [B] bool)` per step, where
+    `emitted[b]` says whether `tokens[b]` is part of prompt `b`'s output (False once it
+    finished). `eos_token_id`: default `model.config.eos_token_id` (an int or a tuple)."""
+    cfg = model.config
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0):
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+    check_sampling(temperature, top_k, top_p)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    prompts = _check_prompts(input_ids, cfg.vocab_size)
+    eos = _eos_ids(cfg.eos_token_id if eos_token_id is _FROM_CONFIG else eos_token_id)
+    stats = stats if stats is not None else GenerationStats()
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    longest = int(lengths.max())
+    stats.prompt_tokens = lengths.tolist()
+    if max_new_tokens == 0:
+        return
+    max_len = resolve_max_len(longest, max_new_tokens, max_len, cfg.max_position_embeddings)
+    cfg.check_length(max_len)
+    batch = len(prompts)
+    width = min(round_up(longest, LENGTH_BUCKET), max_len)
+    ids = np.zeros((batch, width), np.int32)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = p
+    pad = cfg.pad_token_id
+    pad = pad if pad is not None and 0 <= pad < cfg.vocab_size else 0
+
+    from flax import nnx
+
+    start = time.perf_counter()
+    cache = init_cache(cfg, batch, max_len)
+    stats.max_len = max_len
+    stats.kv_cache_bytes = cache_bytes(cache)
+    stats.full_attention_kv_cache_bytes = full_cache_bytes(cfg, batch, max_len)
+    cache, logits = prefill(model, cache, ids, lengths, chunk_size=min(chunk_size, width))
+    key = jax.random.PRNGKey(seed)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = np.asarray(sample(logits, jax.random.fold_in(key, 0), **settings))
+    stats.time_to_first_token = time.perf_counter() - start
+    done = np.zeros(batch, bool)
+    model_state = nnx.split(model)
+    for step in range(max_new_tokens):
+        emitted = ~done
+        yield tokens, emitted
+        if stop_at_eos and eos:
+            done = done | (emitted & np.isin(tokens, eos))
+        if step == max_new_tokens - 1 or done.all():
+            break
+        feed = np.where(done, pad, tokens).astype(np.int32)
+        t0 = time.perf_counter()
+        logits, cache = decode_step(model_state, cache, jnp.asarray(feed), jnp.asarray(~done))
+        tokens = np.asarray(sample(logits, jax.random.fold_in(key, step + 1), **settings))
+        if step == 0:
+            stats.first_decode_step_seconds = time.perf_counter() - t0
+        else:
+            stats.decode_tokens += int((~done).sum())
+            stats.decode_seconds += time.perf_counter() - t0
+
+
+def generate(model, input_ids, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             stop_at_eos: bool = True, max_len: int | None = None,
+             chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[list[int]]:
+    """New token ids per prompt.
+
+    model: a `LlamaForCausalLM` (e.g. `cca_jax.from_pretrained(dir)`), any attention option.
+    input_ids: a list of token-id lists, any lengths (one batch). temperature 0 is greedy;
+    otherwise top_k / top_p filter before a seeded draw (`seed`, jax.random). With
+    `stop_at_eos`, a prompt's output ends with the model's EOS token (config.eos_token_id)
+    when it emits one. max_len: the cache's capacity in tokens (default: the longest prompt
+    plus max_new_tokens, rounded up). chunk_size: prefill chunk (memory: cache + one chunk).
+    """
+    prompts = _check_prompts(input_ids, model.config.vocab_size)
+    out: list[list[int]] = [[] for _ in prompts]
+    for tokens, emitted in stream_generate(
+            model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos, max_len=max_len,
+            chunk_size=chunk_size):
+        for row in np.flatnonzero(emitted):
+            out[row].append(int(tokens[row]))
+    return out
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class UsageError(Exception):
+    """Bad input the user can fix; printed as `error: ...` with exit status 2."""
+
+
+def find_tokenizer_dir(ckpt: Path) -> Path:
+    """The directory holding the checkpoint's tokenizer (its own, or config.json's)."""
+    candidates = [ckpt]
+    from cca_jax.checkpoint import find_config
+    try:
+        candidates.append(find_config(ckpt).parent)
+    except FileNotFoundError:
+        pass
+    for d in candidates:
+        if any((d / f).is_file() for f in TOKENIZER_FILES):
+            return d
+    raise UsageError(
+        f"no tokenizer in {ckpt}: expected {' or '.join(TOKENIZER_FILES)} there. "
+        "convert.hf_to_flax copies them from the Hugging Face checkpoint; copy them in by hand "
+        "for checkpoints converted without one.")
+
+
+def load_tokenizer(ckpt: Path):
+    """`transformers.AutoTokenizer` from the checkpoint's files, offline.
+
+    A bare SentencePiece `tokenizer.model` (no tokenizer.json / tokenizer_config.json, as
+    llama.c-style and hand-assembled checkpoints have) is a LLaMA/Mistral tokenizer, which
+    puts BOS first (`add_bos_token=True`, the default of transformers' LlamaTokenizer and
+    what Meta's own encoder does); transformers 5 would load it without that rule, so it is
+    set here. With a tokenizer_config.json / tokenizer.json their own settings apply.
+    """
+    from transformers import AutoTokenizer
+
+    where = find_tokenizer_dir(ckpt)
+    kwargs = {}
+    if not any((where / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        kwargs["add_bos_token"] = True
+    try:
+        return AutoTokenizer.from_pretrained(str(where), local_files_only=True, **kwargs)
+    except Exception as e:  # transformers raises many types for unreadable tokenizers
+        raise UsageError(f"could not load the tokenizer in {where}: {e}") from None
+
+
+class TextStream:
+    """Incremental detokenization: decode the generated ids (after a few prompt tokens, so
+    the first word keeps its leading space) and print only the new suffix. Text that ends in
+    an incomplete character (U+FFFD from a partial byte sequence) waits for the next token."""
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.context = list(prompt_ids[-self.CONTEXT:])
+        self.prefix = self._decode(self.context)
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text(self) -> str:
+        full = self._decode(self.context + self.ids)
+        return full[len(self.prefix):] if full.startswith(self.prefix) else self._decode(self.ids)
+
+    def put(self, token: int) -> None:
+        self.ids.append(int(token))
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return
+        self._emit(text)
+
+    def end(self) -> None:
+        self._emit(self.text())
+        self.out.write("\n")
+        self.out.flush()
+
+    def _emit(self, text: str) -> None:
+        new = text[len(self.printed):] if text.startswith(self.printed) else ""
+        if new:
+            self.out.write(new)
+            self.out.flush()
+        self.printed = text if text.startswith(self.printed) else self.printed
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m cca_jax.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", required=True, help="converted checkpoint directory "
+                    "(convert.hf_to_flax output, or a train checkpoint) with its tokenizer")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text (UTF-8)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (128)")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding (the default "
+                    "unless --temperature is given)")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature "
+                    "(> 0 samples; 0 = greedy)")
+    ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    ap.add_argument("--attention", choices=("cca", "full", "sliding", "streaming"),
+                    default=None, help="attention option (default: the checkpoint's)")
+    ap.add_argument("--group-size", type=int, default=None, help="CCA group size g")
+    ap.add_argument("--window-size", type=int, default=None,
+                    help="local window (CCA s, sliding/streaming W)")
+    ap.add_argument("--sink-tokens", type=int, default=None, help="streaming's sink tokens N")
+    ap.add_argument("--max-len", type=int, default=None, help="KV cache capacity in tokens "
+                    "(default: prompt + new tokens)")
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                    help=f"prefill chunk in tokens ({DEFAULT_CHUNK_SIZE})")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="parameter/activation dtype (default: the checkpoint's)")
+    return ap
+
+
+def _read_prompt(a) -> str:
+    if a.prompt_file is not None:
+        try:
+            text = Path(a.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"cannot read --prompt-file {a.prompt_file}: {e.strerror}.") from None
+    else:
+        text = a.prompt
+    if not text.strip():
+        raise UsageError("the prompt is empty: pass some text with --prompt or --prompt-file.")
+    return text
+
+
+def _check_args(a) -> None:
+    for name in ("max_new_tokens",):
+        if getattr(a, name) < 0:
+            raise UsageError(f"--max-new-tokens must be >= 0, got {getattr(a, name)}.")
+    for name in ("group_size", "window_size", "max_len", "chunk_size"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
+    if a.sink_tokens is not None and a.sink_tokens < 0:
+        raise UsageError(f"--sink-tokens must be >= 0, got {a.sink_tokens}.")
+    if a.greedy and a.temperature not in (None, 0.0):
+        raise UsageError("--greedy and --temperature > 0 contradict each other; pick one.")
+    try:
+        check_sampling(0.0 if a.temperature is None else a.temperature, a.top_k, a.top_p)
+    except ValueError as e:
+        raise UsageError(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p")) from None
+
+
+def run(a, out=None, err=None) -> int:
+    """The CLI on parsed arguments; raises UsageError for bad input."""
+    out, err = out or sys.stdout, err or sys.stderr
+    _check_args(a)
+    ckpt = Path(a.ckpt)
+    if not ckpt.is_dir():
+        raise UsageError(f"checkpoint directory {ckpt} does not exist (--ckpt).")
+    from cca_jax.checkpoint import find_config
+    try:
+        find_config(ckpt)
+    except FileNotFoundError as e:
+        raise UsageError(f"{e} Is --ckpt a converted checkpoint "
+                         "(python -m convert.hf_to_flax)?") from None
+    text = _read_prompt(a)
+    tokenizer = load_tokenizer(ckpt)
+    prompt_ids = list(tokenizer(text)["input_ids"])
+    if a.max_len is not None and len(prompt_ids) > a.max_len:
+        raise UsageError(f"the prompt is {len(prompt_ids)} tokens, longer than --max-len "
+                         f"{a.max_len}: raise --max-len or shorten the prompt.")
+    new_tokens = a.max_new_tokens
+    if a.max_len is not None and len(prompt_ids) + new_tokens > a.max_len:
+        new_tokens = a.max_len - len(prompt_ids)
+        print(f"note: generating {new_tokens} tokens to stay within --max-len {a.max_len}",
+              file=err)
+
+    from cca_jax.pretrained import from_pretrained
+    overrides = {k: v for k, v in (("attention", a.attention), ("group_size", a.group_size),
+                                   ("window_size", a.window_size),
+                                   ("sink_tokens", a.sink_tokens)) if v is not None}
+    try:
+        model = from_pretrained(ckpt, dtype=a.dtype, **overrides)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
+    cfg = model.config
+    if len(prompt_ids) > cfg.max_position_embeddings:
+        raise UsageError(f"the prompt is {len(prompt_ids)} tokens, more than the model's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}.")
+    if a.max_len is None and len(prompt_ids) + new_tokens > cfg.max_position_embeddings:
+        new_tokens = cfg.max_position_embeddings - len(prompt_ids)
+        print(f"note: generating {new_tokens} tokens to stay within max_position_embeddings="
+              f"{cfg.max_position_embeddings}", file=err)
+    att = cfg.attention
+    print(f"attention: {att.kind} (group_size={att.group_size}, window_size={att.window_size}"
+          f", sink_tokens={att.sink_tokens})", file=err)
+    print(f"prompt tokens: {len(prompt_ids)}", file=err)
+    stats = GenerationStats()
+    stream = TextStream(tokenizer, prompt_ids, out)
+    temperature = 0.0 if a.greedy or a.temperature is None else a.temperature
+    try:
+        for tokens, emitted in stream_generate(
+                model, [prompt_ids], max_new_tokens=new_tokens, temperature=temperature,
+                top_k=a.top_k, top_p=a.top_p, seed=a.seed, max_len=a.max_len,
+                chunk_size=a.chunk_size, stats=stats):
+            if emitted[0]:
+                stream.put(int(tokens[0]))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    stream.end()
+    generated = len(stream.ids)
+    print(f"time to first token: {stats.time_to_first_token:.3f} s (prefill, incl. "
+          "compilation)", file=err)
+    if stats.decode_tokens:
+        rate = stats.decode_tokens / max(stats.decode_seconds, 1e-9)
+        print(f"decode: {rate:.1f} tokens/s ({stats.decode_tokens} tokens in "
+              f"{stats.decode_seconds:.3f} s; the first decode step, incl. compilation, took "
+              f"{stats.first_decode_step_seconds:.3f} s)", file=err)
+    else:
+        print(f"decode: {generated} token(s) generated, too few to time decoding", file=err)
+    print(f"KV cache: {_size(stats.kv_cache_bytes)} for max_len={stats.max_len} "
+          f"(full attention: {_size(stats.full_attention_kv_cache_bytes)})", file=err)
+    return 0
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return run(a)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

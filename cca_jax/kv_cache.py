@@ -1,0 +1,111 @@
+"""The KV cache for generation (SPEC section 4), for every attention option.
+
+Per layer and sequence it holds
+  * a ring of raw keys/values per KV head, `R = blocks.ring_size(pattern, max_len)` entries:
+    `s + g` for cca (the local window plus the group still filling), `W` for sliding and
+    streaming, `max_len` for full attention; position `u` lives in entry `u % R`;
+  * slots per *query* head, `C = pattern.max_slots(max_len)`: cca's core tokens (slot `c`
+    pooled from its `g` raw keys/values with the query of its last token, at the moment that
+    token is processed), streaming's `N` sink tokens (slots of one token, copied per query
+    head); none for full and sliding;
+  * the number of tokens written per sequence (`lengths`, `[B]`): the position of the next
+    token, so every batch row has its own position, group boundary and ring state.
+Arrays are stacked over layers on a leading axis (the model's layers are), preallocated for
+`max_len`, and never reallocated: a `KVCache` is a pytree that `jit` and `scan` take (its
+pattern and `max_len` are static metadata).
+
+Which ring entries and slots a query sees is `cca_jax.blocks` (`cache_raw_visible`,
+`cache_slot_visible`, `chunk_ranges`); the cached forward passes are `cca_jax.decode`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from cca_jax.blocks import AttentionPattern, ring_size
+from cca_jax.config import LlamaConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """k, v: `[L, B, R, Hkv, D]` ring of raw keys (RoPE applied) and values.
+    ck, cv: `[L, B, C, Hq, D]` slots (core tokens / sinks) per query head.
+    lengths: int32 `[B]` tokens written per row (the next token's position).
+    pattern, max_len: static; positions `0 .. max_len - 1` fit."""
+
+    k: jax.Array
+    v: jax.Array
+    ck: jax.Array
+    cv: jax.Array
+    lengths: jax.Array
+    pattern: AttentionPattern = flax.struct.field(pytree_node=False)
+    max_len: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def ring(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.ck.shape[2]
+
+
+def cache_shapes(cfg: LlamaConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """The cache's `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    return jax.eval_shape(lambda: init_cache(cfg, batch, max_len, dtype=dtype))
+
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, *, dtype=None,
+               sharding=None) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens under `cfg.attention`.
+
+    dtype: of keys/values (default `cfg.dtype`, the activations'). sharding: optional
+    `jax.sharding.Sharding` for every array, or a `KVCache` of them (e.g. the batch axis over
+    data-parallel devices, KV heads over tensor-parallel ones); the arrays are created in it.
+    """
+    if not isinstance(cfg, LlamaConfig):
+        raise ValueError(f"init_cache takes a LlamaConfig (model.config), "
+                         f"got {type(cfg).__name__}.")
+    for name, value in (("batch", batch), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    pattern = cfg.attention.pattern
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    layers, hq, hkv, d = (cfg.num_hidden_layers, cfg.num_attention_heads,
+                          cfg.num_key_value_heads, cfg.head_dim)
+    r, c = ring_size(pattern, max_len), pattern.max_slots(max_len)
+
+    def make():
+        raw = lambda: jnp.zeros((layers, batch, r, hkv, d), dtype)  # noqa: E731
+        slots = lambda: jnp.zeros((layers, batch, c, hq, d), dtype)  # noqa: E731
+        # Separate buffers: k and v (ck and cv) are donated and updated independently.
+        return KVCache(raw(), raw(), slots(), slots(), jnp.zeros((batch,), jnp.int32),
+                       pattern=pattern, max_len=max_len)
+
+    if sharding is None:
+        return make()
+    if not isinstance(sharding, KVCache):
+        sharding = jax.tree.map(lambda _: sharding, jax.eval_shape(make))
+    return jax.jit(make, out_shardings=sharding)()
+
+
+def cache_bytes(cache: KVCache) -> int:
+    """Bytes of the cached keys and values (ring and slots, all layers and rows); works on
+    `cache_shapes` (`jax.ShapeDtypeStruct`s) too."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+               for x in (cache.k, cache.v, cache.ck, cache.cv))
+
+
+def full_cache_bytes(cfg: LlamaConfig, batch: int, max_len: int, dtype=None) -> int:
+    """What full attention's cache (every raw key/value) takes for the same model and length."""
+    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
+    return (2 * cfg.num_hidden_layers * batch * max_len * cfg.num_key_value_heads
+            * cfg.head_dim * itemsize)

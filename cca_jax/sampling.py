@@ -1,0 +1,57 @@
+"""Next-token choice from logits: greedy, temperature, top-k, top-p (nucleus), seeded.
+
+The order follows transformers' logits processors: temperature, then top-k, then top-p; then
+one categorical draw per row with `jax.random`. `temperature == 0` is greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """ValueError with the fix for settings `sample` cannot take."""
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or temperature < 0):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or a positive int, got {top_k!r}.")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}.")
+
+
+@jax.jit
+def _greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "use_top_p"))
+def _sample(logits, key, temperature, top_p, top_k, use_top_p):
+    x = logits.astype(jnp.float32) / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if use_top_p:
+        ranked = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass ranked
+        # before it is below top_p (the most likely token always stays).
+        keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+        cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, -jnp.inf, x)
+    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+    """Tokens `[B]` int32 from logits `[B, V]`; `key` (jax.random) only matters when sampling."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return _greedy(logits)
+    use_top_p = top_p is not None and top_p < 1
+    return _sample(logits, key, jnp.float32(temperature), jnp.float32(top_p or 1.0),
+                   top_k=top_k, use_top_p=use_top_p)
