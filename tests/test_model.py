@@ -65,8 +65,10 @@ def _loss_and_grads(model, x):
     return jax.jit(jax.value_and_grad(loss))(state)
 
 
-@pytest.mark.parametrize("change", [dict(scan_layers=False), dict(remat="full"),
-                                    dict(remat="save_dots")])
+@pytest.mark.parametrize("change", [
+    dict(remat="full"),
+    pytest.param(dict(scan_layers=False), marks=pytest.mark.slow),
+    pytest.param(dict(remat="save_dots"), marks=pytest.mark.slow)])
 def test_scan_and_remat_do_not_change_results(change):
     model = build()
     other = same_params(model, TINY.replace(**change))

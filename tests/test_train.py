@@ -79,7 +79,7 @@ def _grads_on(mesh_shape, kind="cca", trainable="all"):
 
 @needs_8
 @pytest.mark.parametrize("mesh_shape,kind", [
-    ({"fsdp": 8}, "cca"),
+    pytest.param({"fsdp": 8}, "cca", marks=pytest.mark.slow),   # also run by the run tests
     ({"data": 2, "fsdp": 2, "tensor": 2}, "cca"),
     ({"fsdp": 2, "sequence": 4}, "cca"),       # sequence sharding with CCA and packed rows
     ({"data": 2, "sequence": 4}, "streaming"),
