@@ -34,16 +34,10 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import median_ms, rel_l2  # noqa: E402
-from cca_jax import AttentionPattern, run_attention  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, median_ms, rel_l2  # noqa: E402
+from cca_jax import run_attention  # noqa: E402
 from cca_jax.attention import resolve_implementation  # noqa: E402
 
-PATTERNS = {
-    "full": AttentionPattern("full"),
-    "sliding": AttentionPattern("sliding", window_size=1024),
-    "streaming": AttentionPattern("streaming", window_size=1024, sink_tokens=4),
-    "cca": AttentionPattern("cca", group_size=16, window_size=1024),
-}
 
 
 def _where() -> dict:
@@ -64,7 +58,7 @@ def bench_attention(kind, length, hkv, packed, iters, hq=32, d=128):
     v = jax.random.normal(keys[2], (1, length, hkv, d), jnp.bfloat16)
     ct = jax.random.normal(keys[3], (1, length, hq, d), jnp.bfloat16)
     seg = _packed_ids(length) if packed else None
-    pattern = PATTERNS[kind]
+    pattern = PAPER_PATTERNS[kind]
     impl = resolve_implementation("auto", pattern=pattern, head_dim=d, dtype=q.dtype,
                                   packed=packed)
 
@@ -93,7 +87,7 @@ def bench_prefill(kind, length, iters):
     from cca_jax.config import LlamaConfig
     from cca_jax.model import LlamaForCausalLM
 
-    p = PATTERNS[kind]
+    p = PAPER_PATTERNS[kind]
     cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                       max_position_embeddings=length,

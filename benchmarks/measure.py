@@ -8,6 +8,17 @@ import time
 import jax
 import jax.numpy as jnp
 
+from cca_jax.blocks import AttentionPattern
+
+# The settings every benchmark compares: the paper's CCA and its baselines with the same
+# raw window.
+PAPER_PATTERNS = {
+    "full": AttentionPattern("full"),
+    "sliding": AttentionPattern("sliding", window_size=1024),
+    "streaming": AttentionPattern("streaming", window_size=1024, sink_tokens=4),
+    "cca": AttentionPattern("cca", group_size=16, window_size=1024),
+}
+
 
 def median_ms(fn, args, *, warmup: int = 1, iters: int | None = None, max_s: float = 0.5,
               max_iters: int = 20) -> float:

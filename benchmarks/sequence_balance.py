@@ -19,17 +19,11 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cca_jax.blocks import AttentionPattern  # noqa: E402
-
-PATTERNS = {
-    "full": AttentionPattern("full"),
-    "sliding": AttentionPattern("sliding", window_size=1024),
-    "streaming": AttentionPattern("streaming", window_size=1024, sink_tokens=4),
-    "cca": AttentionPattern("cca", group_size=16, window_size=1024),
-}
+from benchmarks.measure import PAPER_PATTERNS  # noqa: E402
 
 
-def row_work(pattern: AttentionPattern, length: int) -> np.ndarray:
+
+def row_work(pattern, length: int) -> np.ndarray:
     t = np.arange(length, dtype=np.int64)
     return pattern.num_slots(t) + t - pattern.raw_start(t) + 1
 
@@ -54,7 +48,7 @@ def main(argv=None):
         "max / mean over shards", "",
         "| attention | split | work per shard (millions of scores) | imbalance |",
         "| --- | --- | --- | --- |"]
-    for kind, pattern in PATTERNS.items():
+    for kind, pattern in PAPER_PATTERNS.items():
         work = row_work(pattern, args.length)
         for zigzag in (False, True):
             per = shard_work(work, args.shards, zigzag)

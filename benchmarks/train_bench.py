@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def measure(args) -> dict:
     import jax
 
+    from benchmarks.measure import PAPER_PATTERNS
     from cca_jax.attention import resolve_implementation
-    from cca_jax.blocks import AttentionPattern
     from train import finetune
     from train.config import parse_args
 
@@ -52,7 +52,7 @@ def measure(args) -> dict:
     later = logged[1:] or logged
     step_s = statistics.median(r["step_s"] for r in later)
     stats = jax.devices()[0].memory_stats() or {}
-    pattern = AttentionPattern(args.attention, 16, 1024, 4)
+    pattern = PAPER_PATTERNS[args.attention]
     return dict(model=args.preset, attention=args.attention, seq_len=args.seq_len,
                 trainable=args.trainable,
                 impl=resolve_implementation("auto", pattern=pattern, packed=True),
