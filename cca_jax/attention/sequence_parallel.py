@@ -1,0 +1,326 @@
+"""Attention with the sequence sharded over a mesh axis: halo exchange plus all-gathered slots.
+
+`sequence_sharded_attention(q, k, v, pattern, mesh=..., axis="sequence")` computes exactly
+`run_attention(q, k, v, pattern, ...)` for the options whose raw window is bounded (cca,
+sliding, streaming) with `q, k, v` sharded along the sequence over the mesh axis `axis`, and
+never moves the full K/V between devices:
+
+  * The sequence is cut into `chunks` equal chunks of `C = L / chunks` rows (below).
+  * Raw window: a query at position `t` sees raw keys `raw_lo(t) .. t`, at most
+    `widest = max(t - raw_start(t) + 1)` of them (s + g - 1 for cca, W for sliding and
+    streaming). So a chunk needs, besides its own rows, only the last `H = widest - 1` raw k/v
+    rows of the chunk before it (the *halo*, one `jax.lax.ppermute`). `H <= C` is required:
+    a window reaching past the previous chunk is refused (ValueError), not walked as a ring.
+  * Slots (cca's core tokens, streaming's sinks): every chunk pools the slots whose *last*
+    token lies in its rows (that token's query does the pooling; the slot's other tokens lie
+    within `slot_size - 1 <= H` rows before it, in the halo or the chunk). Which slots those are
+    comes from `blocks.pattern_ranges` of the whole row: its `group_start` (packed documents
+    count groups from each document's start) on the all-gathered segment ids, which are
+    `L` ints. The pooled slots (`ceil(C / slot_size)` per chunk, at most `m` in all) are
+    all-gathered over `axis` and put back into the global slot order (a gather of `m` small
+    rows), so every row's visible slots are the contiguous range `[core_lo, core_hi)`.
+  * Each chunk then runs `xla.blocked_attention` on the virtual sequence
+    `[halo (H rows) ++ chunk (C rows)]`: query rows of the halo are zeros that see only keys
+    `0 .. r` (finite, discarded; bounds stay non-decreasing as `blocks` requires), chunk row
+    `H + i` is the query at position `t = c * C + i`, with `raw_lo(t) - (c * C - H)` and the
+    global `core_lo(t), core_hi(t)`, all sliced from `pattern_ranges` (never re-derived here).
+    Gradients come from `blocked_attention`'s custom VJP and from JAX's transposes of
+    ppermute (halo gradients go back to the previous chunk) and all_gather (reduce-scatter of
+    the slots' gradients to their owners).
+
+Layout (`zigzag`):
+  * `zigzag=False`: contiguous split, `chunks = n` (the mesh axis size), shard `i` holds rows
+    `[i L/n, (i+1) L/n)`. CCA's core work grows along the sequence (1.71x imbalance at 128K on
+    8 shards, benchmarks/results/sequence_balance.md).
+  * `zigzag=True` (default): `chunks = 2n`, shard `i` holds chunks `i` and `2n - 1 - i`
+    (1.001x imbalance). Each shard runs the two chunks separately, so the early chunk never
+    walks the late chunk's slots. Halos: chunk `i` gets its halo from shard `i - 1`'s first
+    chunk, chunk `2n - 1 - i` from shard `i + 1`'s second chunk (shard `n - 1`: from its own
+    first chunk, chunk `n - 1`).
+  * `layout="natural"` (default): q, k, v, segment_ids and the output are global arrays in
+    natural row order, split contiguously over `axis`; with `zigzag=True` the rows are moved
+    to the zigzag assignment and back inside (two chunk-sized ppermutes per array each way).
+    `layout="zigzag"`: the arrays are already in zigzag row order (`zigzag_permutation`), and
+    so is the output: no rows move. A model that keeps its activations in that order (token
+    ids, positions, segment ids and labels permuted once per batch; everything but attention
+    is per token) pays only the halo and slot traffic.
+
+`full` attention is refused: its raw window is unbounded (ring attention's job). Under `jit`,
+`run_attention` on sequence-sharded arrays is correct for it (XLA all-gathers K/V).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from cca_jax.attention.pooling import pool_core_tokens
+from cca_jax.attention.xla import blocked_attention, default_blocking
+from cca_jax.blocks import AttentionPattern, pattern_ranges
+from cca_jax.sharding import LOGICAL_RULES
+
+__all__ = ["sequence_sharded_attention", "zigzag_permutation", "sequence_layout",
+           "SequenceLayout"]
+
+LAYOUTS = ("natural", "zigzag")
+
+
+class SequenceLayout(NamedTuple):
+    """Static sizes of one sharded call."""
+    shards: int        # n: size of the mesh axis
+    chunks: int        # 2n (zigzag) or n
+    chunk: int         # C = L / chunks rows
+    halo: int          # H raw k/v rows each chunk receives from the chunk before it
+    slots: int         # m: slots of the row (pattern.max_slots)
+    capacity: int      # slots pooled per chunk (static): min(m, ceil(C / slot_size))
+
+
+def zigzag_permutation(length: int, shards: int) -> np.ndarray:
+    """Row order of the zigzag layout: `x[:, perm]` puts chunks `i, 2n - 1 - i` (of `2n` equal
+    chunks) on shard `i` of a contiguous split; `np.argsort(perm)` undoes it."""
+    if length % (2 * shards):
+        raise ValueError(f"the zigzag layout cuts L={length} into 2 x {shards} equal chunks; "
+                         f"L must be a multiple of {2 * shards}.")
+    c = length // (2 * shards)
+    order = [ch for i in range(shards) for ch in (i, 2 * shards - 1 - i)]
+    return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in order])
+
+
+def _widest_window(pattern: AttentionPattern, length: int) -> int:
+    """The most raw keys one query sees: `max(t - raw_start(t) + 1)` over `t < length`."""
+    t = np.arange(length, dtype=np.int64)
+    return int(np.max(t - pattern.raw_start(t) + 1))
+
+
+def sequence_layout(pattern: AttentionPattern, length: int, shards: int, *,
+                    zigzag: bool = True, packed: bool = False) -> SequenceLayout:
+    """Chunk, halo and slot sizes; ValueError where the sequence cannot be split this way."""
+    if pattern.kind == "full":
+        raise ValueError(
+            "sequence_sharded_attention takes options with a bounded raw window (cca, "
+            "sliding, streaming); attention='full' sees the whole prefix, which needs ring "
+            "attention over the full K/V. Run run_attention under jit instead (XLA then "
+            "all-gathers K/V), or use cca / sliding / streaming.")
+    chunks = 2 * shards if zigzag else shards
+    if length % chunks:
+        raise ValueError(
+            f"sequence length {length} is not a multiple of the {chunks} chunks of "
+            f"{'zigzag' if zigzag else 'contiguous'} sharding over {shards} shards; pad the "
+            f"sequence to a multiple of {chunks}" + (" or use zigzag=False." if zigzag else "."))
+    chunk = length // chunks
+    size = pattern.slot_size
+    m = pattern.max_slots(length, packed=packed)
+    halo = max(_widest_window(pattern, length) - 1, size - 1 if m else 0)
+    if halo > chunk:
+        raise ValueError(
+            f"attention={pattern.kind!r} (window {pattern.window_size}"
+            + (f", group {size}" if pattern.kind == "cca" else "")
+            + f") needs the previous {halo} raw keys of every row, more than one chunk of "
+            f"{chunk} rows (L={length} / {chunks} chunks): the halo would span several "
+            f"neighbours. Use fewer sequence shards, zigzag=False, or a longer sequence.")
+    # Slot ends are at least slot_size apart (within a document every slot_size-th position;
+    # a document's first slot ends slot_size - 1 after its start, after the previous one's
+    # last slot end), so one chunk holds the last tokens of at most ceil(C / slot_size) slots.
+    return SequenceLayout(shards, chunks, chunk, halo, m, min(m, -(-chunk // size)))
+
+
+def _axes_for(rule, size: int, mesh: Mesh, used: set) -> tuple[str, ...]:
+    """Mesh axes of `LOGICAL_RULES` that shard a dimension of `size` (as sharding.logical_spec,
+    restricted to the axes this mesh has)."""
+    names = [rule] if isinstance(rule, str) else list(rule or ())
+    chosen: list[str] = []
+    for name in names:
+        if name not in mesh.shape or name in used or mesh.shape[name] == 1:
+            continue
+        if size % (mesh.shape[name] * math.prod(mesh.shape[a] for a in chosen)):
+            continue
+        chosen.append(name)
+    used.update(chosen)
+    return tuple(chosen)
+
+
+def _spec_entry(axes: tuple[str, ...]):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+# ---- collectives -----------------------------------------------------------------------------
+
+def _zigzag_owner(ch: int, n: int) -> int:
+    return ch if ch < n else 2 * n - 1 - ch
+
+
+def _natural_to_zigzag(x, i, n: int, axis: str):
+    """Local rows `[chunk 2i, chunk 2i+1]` -> `[chunk i, chunk 2n-1-i]` (two ppermutes)."""
+    c = x.shape[1] // 2
+    even = jax.lax.ppermute(x[:, :c], axis, [(s, _zigzag_owner(2 * s, n)) for s in range(n)])
+    odd = jax.lax.ppermute(x[:, c:], axis, [(s, _zigzag_owner(2 * s + 1, n)) for s in range(n)])
+    # Shard j receives chunk j from the ppermute of its parity and chunk 2n-1-j from the other.
+    j_even = i % 2 == 0
+    return jnp.where(j_even, even, odd), jnp.where(j_even, odd, even)
+
+
+def _zigzag_to_natural(first, second, i, n: int, axis: str):
+    """Inverse of `_natural_to_zigzag`."""
+    j_even = i % 2 == 0
+    even = jax.lax.ppermute(jnp.where(j_even, first, second), axis,
+                            [(_zigzag_owner(2 * s, n), s) for s in range(n)])
+    odd = jax.lax.ppermute(jnp.where(j_even, second, first), axis,
+                           [(_zigzag_owner(2 * s + 1, n), s) for s in range(n)])
+    return jnp.concatenate([even, odd], axis=1)
+
+
+def _halos(chunks_kv, i, n: int, axis: str, halo: int, zigzag: bool):
+    """The last `halo` rows of (k, v) of each local chunk's natural predecessor."""
+    tails = [jax.tree.map(lambda x: x[:, x.shape[1] - halo:], kv) for kv in chunks_kv]
+    forward = [(s, s + 1) for s in range(n - 1)]
+    first = jax.lax.ppermute(tails[0], axis, forward)    # shard 0 (chunk 0) gets zeros
+    if not zigzag:
+        return [first]
+    backward = jax.lax.ppermute(tails[1], axis, [(s + 1, s) for s in range(n - 1)])
+    last = i == n - 1     # chunk n's predecessor is chunk n - 1, this shard's own first
+    second = jax.tree.map(lambda own, got: jnp.where(last, own, got), tails[0], backward)
+    return [first, second]
+
+
+# ---- one shard ---------------------------------------------------------------------------------
+
+def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: SequenceLayout,
+           axis: str, zigzag: bool, natural: bool):
+    n, nc, c_len, halo, m, cap = lay
+    length = nc * c_len
+    size = pattern.slot_size
+    i = jax.lax.axis_index(axis)
+    b, _, hq, d = q.shape
+
+    # Local chunks and their natural chunk indices.
+    if zigzag and natural:
+        qs, ks, vs = (_natural_to_zigzag(x, i, n, axis) for x in (q, k, v))
+    else:
+        qs, ks, vs = (tuple(jnp.split(x, nc // n, axis=1)) for x in (q, k, v))
+    chunk_ids = [i, 2 * n - 1 - i] if zigzag else [i]
+
+    # Bounds of the whole row (natural order), from blocks.
+    seg_full = None
+    if seg is not None:
+        seg_full = jax.lax.all_gather(seg, axis, axis=1, tiled=True)
+        if zigzag and not natural:   # gathered rows are [chunk 0, 2n-1, 1, 2n-2, ...]
+            pairs = seg_full.reshape(b, n, 2, c_len)
+            seg_full = jnp.concatenate([pairs[:, :, 0], pairs[:, ::-1, 1]],
+                                       axis=1).reshape(b, length)
+    ranges = pattern_ranges(pattern, length, seg_full)
+    raw_lo, core_lo, core_hi = (jnp.broadcast_to(x, (b, length)).astype(jnp.int32)
+                                for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
+
+    # Virtual sequences [halo ++ chunk]; halo queries are zeros.
+    if halo:
+        halos = _halos(list(zip(ks, vs)), i, n, axis, halo, zigzag)
+        ks = [jnp.concatenate([hk, x], axis=1) for (hk, _), x in zip(halos, ks)]
+        vs = [jnp.concatenate([hv, x], axis=1) for (_, hv), x in zip(halos, vs)]
+        qs = [jnp.concatenate([jnp.zeros((b, halo, hq, d), q.dtype), x], axis=1) for x in qs]
+    offsets = [ch * c_len - halo for ch in chunk_ids]   # position of virtual row 0
+
+    # Slots: each chunk pools those whose last token is in its rows; all-gather; global order.
+    if m:
+        slot = jnp.arange(m, dtype=jnp.int32)
+        starts = (jnp.broadcast_to(slot * size, (b, m)) if ranges.group_start is None
+                  else ranges.group_start.astype(jnp.int32))
+        real = slot < core_hi[:, length - 1:]          # the last row sees every slot of its doc
+        ends = jnp.where(real, starts + size - 1, length)   # non-decreasing
+        chunk_starts = jnp.arange(nc, dtype=jnp.int32) * c_len
+        before = jax.vmap(lambda e: jnp.searchsorted(e, chunk_starts, side="left"))(ends)
+        pooled = []
+        for ch, off, qx, kx, vx in zip(chunk_ids, offsets, qs, ks, vs):
+            mine = jnp.take(before, ch, axis=1)[:, None] + jnp.arange(cap, dtype=jnp.int32)
+            idx = jnp.minimum(mine, m - 1)
+            own = (mine < m) & (jnp.take_along_axis(ends, idx, 1) < (ch + 1) * c_len)
+            local = jnp.where(own, jnp.take_along_axis(starts, idx, 1) - off, 0)
+            pooled.append(pool_core_tokens(qx, kx, vx, group_size=size, num_groups=cap,
+                                           pooling=pooling, group_start=local))
+        ck_loc, cv_loc = (jnp.concatenate(x, axis=1) for x in zip(*pooled))
+        ck_all, cv_all = (jax.lax.all_gather(x, axis, axis=1, tiled=True)
+                          for x in (ck_loc, cv_loc))
+        # Gathered order: shard-major, then local chunk, then the chunk's slots.
+        ch_of = jnp.minimum(ends // c_len, nc - 1)
+        pos = jnp.where(ch_of < n, 2 * ch_of, 2 * (2 * n - 1 - ch_of) + 1) if zigzag else ch_of
+        gather = pos * cap + slot - jnp.take_along_axis(before, ch_of, 1)
+        gather = jnp.where(real, gather, 0)[:, :, None, None]
+        ck = jnp.take_along_axis(ck_all, gather, axis=1)
+        cv = jnp.take_along_axis(cv_all, gather, axis=1)
+    else:
+        ck = jnp.zeros((b, 0, hq, d), k.dtype)
+        cv = jnp.zeros((b, 0, hq, d), v.dtype)
+
+    blocking = default_blocking(halo + c_len, m, d)
+    pad = jnp.zeros((b, halo), jnp.int32)
+    outs = []
+    for ch, off, qx, kx, vx in zip(chunk_ids, offsets, qs, ks, vs):
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, ch * c_len, c_len, 1)  # noqa: E731
+        rlo = jnp.concatenate([pad, rows(raw_lo) - off], axis=1)
+        lo = jnp.concatenate([pad, rows(core_lo)], axis=1)
+        hi = jnp.concatenate([pad, rows(core_hi)], axis=1)
+        outs.append(blocked_attention(qx, kx, vx, ck, cv, rlo, lo, hi, blocking)[:, halo:])
+    if zigzag and natural:
+        return _zigzag_to_natural(outs[0], outs[1], i, n, axis)
+    return jnp.concatenate(outs, axis=1)
+
+
+def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                               pattern: AttentionPattern, *, mesh: Mesh,
+                               axis: str = "sequence", segment_ids: jax.Array | None = None,
+                               pooling: str = "cca", zigzag: bool = True,
+                               layout: str = "natural") -> jax.Array:
+    """`run_attention(q, k, v, pattern, segment_ids=..., pooling=...)` with the sequence
+    sharded over mesh axis `axis` (module docstring): halos by ppermute, slots all-gathered.
+
+    q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (global arrays); segment_ids: optional
+    `[B, L]` ints (packed documents). Batch is split over the mesh axes of
+    `LOGICAL_RULES["batch"]` and heads over `LOGICAL_RULES["heads"]` where they divide it
+    (else replicated); the sequence over `axis`. layout: "natural" or "zigzag" (rows already
+    in `zigzag_permutation` order, output likewise; needs zigzag=True). Returns
+    `[B, L, Hq, D]` in q's dtype, in the rows' layout.
+    """
+    from cca_jax.attention import _check_inputs   # lazy: the package may import this module
+    from cca_jax.attention.pooling import POOLING_FNS
+
+    _check_inputs(q, k, v, segment_ids)
+    if not isinstance(pattern, AttentionPattern):
+        raise ValueError(f"pattern must be a blocks.AttentionPattern, got {pattern!r}.")
+    if pooling not in POOLING_FNS:
+        raise ValueError(f"pooling must be one of {sorted(POOLING_FNS)}, got {pooling!r}.")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: "
+                         f"{tuple(mesh.axis_names)}).")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+    if layout == "zigzag" and not zigzag:
+        raise ValueError("layout='zigzag' (rows already in zigzag order) needs zigzag=True.")
+    b, length, hq, _ = q.shape
+    hkv = k.shape[2]
+    lay = sequence_layout(pattern, length, mesh.shape[axis], zigzag=zigzag,
+                          packed=segment_ids is not None)
+
+    used = {axis}
+    batch = _spec_entry(_axes_for(LOGICAL_RULES["batch"], b, mesh, used))
+    heads = _spec_entry(_axes_for(LOGICAL_RULES["heads"], hkv, mesh, used))
+    x_spec = PartitionSpec(batch, axis, heads, None)
+    seg_spec = PartitionSpec(batch, axis)
+    # check_vma=False: blocked_attention's loops start from unsharded zeros (an invariant
+    # carry that the body makes varying); the per-shard program is the same either way.
+    body = functools.partial(_shard, pattern=pattern, pooling=pooling, lay=lay, axis=axis,
+                             zigzag=zigzag, natural=layout == "natural")
+    if segment_ids is None:
+        fn = jax.shard_map(lambda q_, k_, v_: body(q_, k_, v_, None), mesh=mesh,
+                           in_specs=(x_spec, x_spec, x_spec), out_specs=x_spec,
+                           check_vma=False)
+        return fn(q, k, v)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, seg_spec),
+                       out_specs=x_spec, check_vma=False)
+    return fn(q, k, v, segment_ids)
