@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ def blocks() -> list[tuple[str, str]]:
 
 def commands(script: str) -> list[str]:
     joined = re.sub(r"\\\n\s*", " ", script)
-    lines = [line.split("  #")[0].strip() for line in joined.splitlines()]
+    lines = [re.split(r"\s{2,}#", line)[0].strip() for line in joined.splitlines()]
     return [line for line in lines if line and not line.startswith(SKIP)]
 
 
@@ -30,7 +31,7 @@ def test_readme_blocks_run_as_written(tmp_path):
     assert sum(kind == "python" for kind, _ in found) >= 3 and len(found) >= 6
     for kind, body in found:
         runs = [[sys.executable, "-c", body]] if kind == "python" else [
-            cmd.split() for cmd in commands(body)]
+            shlex.split(cmd) for cmd in commands(body)]
         for argv in runs:
             if argv[0] == "python":
                 argv[0] = sys.executable

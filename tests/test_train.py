@@ -140,7 +140,7 @@ def test_run_learns_resumes_exactly_and_is_deterministic(tmp_path):
     """The README's main job on every device: loss falls; a rerun with more steps resumes
     (params, optimizer, step, data) and reproduces an uninterrupted run step for step."""
     straight = tmp_path / "straight"
-    assert finetune.main(TINY_ARGS + ["--steps", "6", "--out", str(straight)]) == 0
+    assert finetune.main(TINY_ARGS[:-1] + ["--steps", "6", "--out", str(straight)]) == 0
     resumed = tmp_path / "resumed"
     assert finetune.main(TINY_ARGS + ["--steps", "3", "--out", str(resumed)]) == 0
     assert finetune.main(TINY_ARGS + ["--steps", "6", "--out", str(resumed)]) == 0
@@ -149,14 +149,9 @@ def test_run_learns_resumes_exactly_and_is_deterministic(tmp_path):
     assert a[-1] < a[0] - 0.5, a
     record = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(record)
-
-
-def test_export_to_hugging_face(tmp_path):
+    # The end of the run exports a Hugging Face checkpoint that transformers loads.
     transformers = pytest.importorskip("transformers")
-    out = tmp_path / "run"
-    assert finetune.main(["--preset", "tiny", "--seq-len", "32", "--steps", "1",
-                          "--out", str(out)]) == 0
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(straight / "hf")
     assert hf.config.vocab_size == 258
 
 
