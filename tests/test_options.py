@@ -146,8 +146,9 @@ def test_packed_rows_equal_separate_runs(impl, kind):
         np.testing.assert_allclose(packed[:, d0:d1], alone, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
-@pytest.mark.parametrize("kind", NON_CCA)
+@pytest.mark.parametrize("impl,kind", [
+    *[("xla", kind) for kind in NON_CCA], ("pallas_gpu", "sliding"),
+    *[pytest.param("pallas_gpu", kind, marks=pytest.mark.slow) for kind in ("full", "streaming")]])
 def test_gradients_equal_dense_reference(impl, kind):
     q, k, v = _inputs(*SHAPE, seed=3)
     cot = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)

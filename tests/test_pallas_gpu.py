@@ -228,7 +228,9 @@ def _blocked_pallas(q, k, v, ct, raw_lo):
 BLOCKED_TOL = dict(out=2e-6, grad=4e-6)
 
 
-@pytest.mark.parametrize("window", [None, 24])
+# Full attention is also checked through the blocked entry in tests/test_options.py (every
+# option against a float64 reference); the unbounded window runs in the slow set here.
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 24])
 def test_blocked_entry_full_and_sliding(window):
     """`blocked_attention_pallas_gpu` with m = 0: raw_lo = 0 is causal full attention
     (`jax.nn.dot_product_attention(is_causal=True)`); raw_lo = max(0, t - W + 1) is a sliding

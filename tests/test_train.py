@@ -82,7 +82,7 @@ def _grads_on(mesh_shape, kind="cca", trainable="all"):
     pytest.param({"fsdp": 8}, "cca", marks=pytest.mark.slow),   # also run by the run tests
     ({"data": 2, "fsdp": 2, "tensor": 2}, "cca"),
     ({"fsdp": 2, "sequence": 4}, "cca"),       # sequence sharding with CCA and packed rows
-    ({"data": 2, "sequence": 4}, "streaming"),
+    pytest.param({"data": 2, "sequence": 4}, "streaming", marks=pytest.mark.slow),
 ])
 def test_sharded_gradients_equal_single_device(mesh_shape, kind):
     loss1, count1, grads1 = _grads_on(None, kind)
