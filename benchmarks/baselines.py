@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, median_ms, rel_l2  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, median_ms, rel_l2, write_results  # noqa: E402
 from cca_jax import run_attention  # noqa: E402
 from cca_jax.attention import resolve_implementation  # noqa: E402
 
@@ -177,13 +177,7 @@ def main(argv=None):
               *[f"- command: `{c}`" for c in commands],
               "- B = 1, Hq = 32, D = 128, bf16; sliding W = 1024; streaming N = 4, W = 1024; "
               "cca g = 16, s = 1024; implementation 'auto' (what the model runs)", ""]
-    table = "\n".join(header + _table(records, bool(args.prefill))) + "\n"
-    print(table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(records, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
+    write_results(args.out, records, "\n".join(header + _table(records, bool(args.prefill))) + "\n")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,16 @@ def rel_l2(a, b) -> float:
     """|a - b| / |b| in float32 (L2 norms)."""
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def write_results(out: str, records: list, table: str) -> None:
+    """Print the markdown table; write `<out>.json` (the records) and `<out>.md` (the table)."""
+    import json
+    import os
+
+    print(table)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(records, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(table)

@@ -12,14 +12,13 @@ max/mean: the step waits for the busiest shard. Pure arithmetic, no device.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, write_results  # noqa: E402
 
 
 
@@ -58,12 +57,7 @@ def main(argv=None):
                                 imbalance=round(imbalance, 4)))
             lines.append(f"| {kind} | {split} | {' / '.join(f'{x / 1e6:.0f}' for x in per)} | "
                          f"{imbalance:.3f} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    with open(args.out + ".json", "w") as f:
-        json.dump(records, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
+    write_results(args.out, records, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.measure import write_results  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -100,12 +101,7 @@ def main(argv=None):
                 records += json.load(f)
     else:
         records = [measure(args)]
-    print(json.dumps(records, indent=1))
-    with open(args.out + ".json", "w") as f:
-        json.dump(records, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table(records))
-    print(table(records))
+    write_results(args.out, records, table(records))
 
 
 if __name__ == "__main__":

@@ -5,3 +5,19 @@ import os
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    """stories260K as a HF checkpoint (`hf/`) and converted (`ours/`), once per module."""
+    from tests import hf_fixtures as fx
+    if not fx.STORIES.exists():
+        pytest.skip(f"{fx.STORIES} not found (shared test data is absent)")
+    from convert.hf_to_flax import convert_hf_to_flax
+    base = tmp_path_factory.mktemp("stories")
+    fx.stories260k_to_hf(fx.STORIES, base / "hf")
+    convert_hf_to_flax(base / "hf", base / "ours", verbose=False)
+    return base

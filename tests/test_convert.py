@@ -468,16 +468,6 @@ def test_missing_tensor_and_shard(converted, tmp_path):
 
 
 # ---- stories260K: a real trained checkpoint --------------------------------------------------
-@pytest.fixture(scope="module")
-def stories(tmp_path_factory):
-    if not fx.STORIES.exists():
-        pytest.skip(f"{fx.STORIES} not found (shared test data is absent)")
-    base = tmp_path_factory.mktemp("stories")
-    fx.stories260k_to_hf(fx.STORIES, base / "hf")
-    convert_hf_to_flax(base / "hf", base / "ours", verbose=False)
-    return base
-
-
 def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
     logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1)
     return float(np.exp(-np.mean(np.asarray(logp[jnp.arange(len(ids) - 1), ids[1:]]))))

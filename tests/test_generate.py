@@ -169,17 +169,6 @@ def torch_one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def stories(tmp_path_factory, torch_one_thread):
-    if not fx.STORIES.exists():
-        pytest.skip(f"{fx.STORIES} not found (shared test data is absent)")
-    from convert.hf_to_flax import convert_hf_to_flax
-    base = tmp_path_factory.mktemp("stories")
-    fx.stories260k_to_hf(fx.STORIES, base / "hf")
-    convert_hf_to_flax(base / "hf", base / "ours", verbose=False)
-    return base
-
-
 def test_greedy_equals_transformers_generate_on_stories260k(stories, torch_one_thread):
     """Full attention, float32: our batched greedy generation (prompts of 1, 7 and 21 tokens
     in one batch, EOS = 2 stops a row) equals transformers' greedy `generate` per prompt."""
