@@ -79,7 +79,7 @@ def test_scan_and_remat_do_not_change_results(change):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["full", "cca"])
+@pytest.mark.parametrize("attention", [pytest.param("full", marks=pytest.mark.slow), "cca"])
 def test_packed_documents_equal_separate_runs(attention):
     """segment_ids + per-document positions reproduce each document run on its own."""
     model = build(TINY.replace(attention=attention))

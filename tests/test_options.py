@@ -129,10 +129,11 @@ def test_matches_spec_reference(impl, kind, packed):
     np.testing.assert_allclose(out, option_reference(q, k, v, kind, seg), atol=5e-6, rtol=5e-6)
 
 
-# xla for every option by default; naive and the kernels (already checked against the
-# reference on packed rows above) in the slow run.
-_PACKED_CASES = [pytest.param(impl, kind, marks=() if impl == "xla" else pytest.mark.slow)
-                 for impl in IMPLS for kind in PATTERNS]
+# xla for cca and streaming (slots in several documents) by default; the other cases
+# (already checked against the reference on packed rows above) in the slow run.
+_PACKED_CASES = [pytest.param(impl, kind, marks=() if (impl, kind) in (
+    ("xla", "cca"), ("xla", "streaming")) else pytest.mark.slow)
+    for impl in IMPLS for kind in PATTERNS]
 
 
 @pytest.mark.parametrize("impl,kind", _PACKED_CASES)
@@ -230,7 +231,8 @@ def _max_long_dims(jaxpr, length: int) -> int:
     return worst
 
 
-@pytest.mark.parametrize("kind", list(PATTERNS))
+@pytest.mark.parametrize("kind", ["full", "cca", *[pytest.param(k, marks=pytest.mark.slow)
+                                                   for k in ("sliding", "streaming")]])
 def test_model_builds_no_length_squared_array(kind):
     """At L = 16384 the dispatch (auto) never materializes an L x L array, forward or grad."""
     length = 16384

@@ -108,13 +108,13 @@ def _check(pattern_name, mesh_name, packed, zigzag):
         np.testing.assert_allclose(g, r, rtol=0, atol=GRAD_ATOL, err_msg=f"d{name}")
 
 
-# (pattern, mesh, packed, zigzag): every option, mesh, packing and split at least once.
+# (pattern, mesh, packed, zigzag): every option, mesh, packing and split at least once
+# (the contiguous split through sliding; every other combination runs in the slow set).
 FAST = [
     ("cca", "data2-seq4", True, True),
     ("cca-g5", "seq8", False, True),
     ("sliding", "seq8", True, False),
     ("streaming", "seq4", True, True),
-    ("cca", "seq4", False, False),
 ]
 ALL = [(p, m, packed, zz) for p in PATTERNS for m in MESHES for packed in (False, True)
        for zz in (True, False)]
