@@ -16,17 +16,20 @@ def _softmax(x):
     return e / e.sum()
 
 
+def documents(segment_ids, b: int, length: int) -> list[tuple[int, int]]:
+    """[start, end) of every document of row b: maximal runs of equal segment id."""
+    seg = np.zeros(length, int) if segment_ids is None else np.asarray(segment_ids[b])
+    starts = [t for t in range(length) if t == 0 or seg[t] != seg[t - 1]]
+    return list(zip(starts, starts[1:] + [length]))
+
+
 def cca_reference(q, k, v, g, s, pooling="cca", segment_ids=None):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, L, Hq, D = q.shape
     G = Hq // k.shape[2]
     out = np.zeros_like(q)
     for b in range(B):
-        # Documents: maximal runs of equal segment id.
-        seg = np.zeros(L, int) if segment_ids is None else np.asarray(segment_ids[b])
-        starts = [t for t in range(L) if t == 0 or seg[t] != seg[t - 1]]
-        bounds = list(zip(starts, starts[1:] + [L]))
-        for d0, d1 in bounds:
+        for d0, d1 in documents(segment_ids, b, L):
             n = d1 - d0
             m = max(0, (n - s) // g)
             for h in range(Hq):

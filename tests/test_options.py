@@ -19,6 +19,7 @@ from cca_jax import AttentionPattern, run_attention
 from cca_jax.attention import attention_xla, resolve_implementation
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
+from tests.reference import documents
 
 W, N = 7, 3   # window and sinks of the small cases (W not a multiple of anything else here)
 PATTERNS = {
@@ -46,9 +47,7 @@ def option_reference(q, k, v, kind, segment_ids=None, w=W, n=N):
     groups = hq // k.shape[2]
     out = np.zeros_like(q)
     for b in range(b_):
-        seg = np.zeros(length, int) if segment_ids is None else np.asarray(segment_ids[b])
-        starts = [t for t in range(length) if t == 0 or seg[t] != seg[t - 1]]
-        for d0, d1 in zip(starts, starts[1:] + [length]):
+        for d0, d1 in documents(segment_ids, b, length):
             for t in range(d0, d1):
                 keys = [u for u in range(d0, t + 1) if _sees(kind, t - d0, u - d0, w, n)]
                 for h in range(hq):
