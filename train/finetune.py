@@ -66,8 +66,11 @@ def load_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
     return cca_jax.from_pretrained(cfg.checkpoint, dtype=cfg.dtype, **overrides)
 
 
+DATA_CACHE = "data_cache"
+
+
 def check_run_dir(cfg: TrainConfig) -> Path:
-    """OUT must be new, empty, or a run of the same settings; never anything else."""
+    """OUT must be new, empty (but for our data cache), or a run of the same settings."""
     out = Path(cfg.out)
     saved = out / RUN_CONFIG
     if saved.exists():
@@ -76,12 +79,16 @@ def check_run_dir(cfg: TrainConfig) -> Path:
         if differ:
             raise ValueError(f"{out} holds a different run (settings {differ} differ); use "
                              "another --out, or the same settings to resume it.")
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and {p.name for p in out.iterdir()} - {DATA_CACHE}:
         raise ValueError(f"{out} exists and is not a cca-jax run directory; choose a new or "
                          "empty --out (nothing in it is overwritten).")
-    out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(cfg.to_dict(), indent=1))
     return out
+
+
+def record_run(out: Path, cfg: TrainConfig) -> None:
+    """Write OUT/run_config.json once every input has been checked."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
 
 
 def check_shapes(cfg: TrainConfig, mesh, model_cfg: LlamaConfig, tokenizer) -> None:
@@ -146,7 +153,8 @@ def run(cfg: TrainConfig) -> dict:
     check_shapes(cfg, mesh, model_cfg, tokenizer)
     batches = make_batches(cfg.data, tokenizer, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                            seed=cfg.seed, data_dir=cfg.data_dir, text_field=cfg.text_field,
-                           cache_dir=str(out / "data_cache"))
+                           cache_dir=str(out / DATA_CACHE))
+    record_run(out, cfg)
 
     graphdef, model_state = nnx.split(model)
     apply = steps.model_apply(graphdef, jax.tree.map(
