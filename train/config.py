@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tomllib
-from typing import Any, Mapping
+from typing import Any
 
 from cca_jax.sharding import MESH_AXES
 
@@ -173,7 +173,3 @@ def parse_args(argv=None) -> TrainConfig:
     values = vars(ap.parse_args(argv))
     values.pop("config")
     return TrainConfig(**values)
-
-
-def from_mapping(values: Mapping[str, Any]) -> TrainConfig:
-    return TrainConfig(**dict(values))

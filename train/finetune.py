@@ -128,7 +128,7 @@ def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig) -> None:
 
     final = out / "final"
     if not final.exists():
-        params = steps.nest({**steps.flatten(state.frozen), **steps.flatten(state.trainable)})
+        params = steps.merge_params(state.trainable, state.frozen)
         save_pretrained(final, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params),
                         model_cfg)
         if cfg.checkpoint is not None:

@@ -54,11 +54,16 @@ def split_trainable(params: dict, trainable: str) -> tuple[dict, dict]:
     return nest(train), nest({p: x for p, x in flat.items() if p not in train})
 
 
+def merge_params(trainable: dict, frozen: dict) -> dict:
+    """The model's whole nested parameter dict from its trainable and frozen parts."""
+    return nest({**flatten(frozen), **flatten(trainable)})
+
+
 def model_apply(graphdef, abstract_state) -> Callable:
     """`apply(trainable, frozen) -> model` for a model split with `nnx.split`."""
     def apply(trainable: dict, frozen: dict) -> LlamaForCausalLM:
         state = jax.tree.map(lambda x: x, abstract_state)
-        nnx.replace_by_pure_dict(state, nest({**flatten(frozen), **flatten(trainable)}))
+        nnx.replace_by_pure_dict(state, merge_params(trainable, frozen))
         return nnx.merge(graphdef, state)
     return apply
 
