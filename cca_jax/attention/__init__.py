@@ -180,12 +180,6 @@ def run_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: AttentionPa
                                      segment_ids=segment_ids)
 
 
-def _static_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive Python int, got {value!r}.")
-    return value
-
-
 def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
                   window_size: int, pooling: str = "cca", implementation: str = "auto",
                   segment_ids: jax.Array | None = None) -> jax.Array:
@@ -197,7 +191,6 @@ def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
     core tokens of their own document only, groups counted from its start.
     Returns `[B, L, Hq, D]` in the dtype of q.
     """
-    pattern = cca_pattern(_static_int("group_size", group_size),
-                          _static_int("window_size", window_size))
+    pattern = cca_pattern(group_size, window_size)   # validates both (positive Python ints)
     return run_attention(q, k, v, pattern, pooling=pooling, implementation=implementation,
                          segment_ids=segment_ids)
