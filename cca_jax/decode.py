@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from cca_jax import blocks
+from cca_jax.attention import resolve_implementation, run_attention
 from cca_jax.attention.pooling import pool_core_tokens
 from cca_jax.attention.xla import Blocking, blocked_attention
 from cca_jax.config import LlamaConfig
@@ -104,15 +105,72 @@ def _run_layers(model, cache: KVCache, x, cos, sin, attend):
 # ---- prefill -----------------------------------------------------------------------------
 
 def chunk_blocking(chunk: int, ring: int, num_slots: int, head_dim: int):
-    """(front, Blocking) of a prefill chunk: `front >= ring` padding rows, whole query blocks."""
+    """(front, Blocking) of a prefill chunk: `front >= ring` padding rows, whole query blocks.
+
+    `front` is a multiple of 512 as well as of the XLA query block, so that the query blocks
+    of every blocked implementation (XLA's and the Pallas kernels', powers of two <= 512)
+    hold padding rows or chunk rows, never both: the bounds restart at the chunk.
+    """
     block_q = min(512, round_up(chunk, 16))
     block_c = min(512, round_up(max(num_slots, 1), 16))
-    front = round_up(ring, block_q)
+    front = round_up(ring, math.lcm(block_q, 512))
     return front, Blocking(1.0 / math.sqrt(head_dim), block_q, block_c,
                            round_up(front + chunk, block_q), round_up(max(num_slots, 1), block_c))
 
 
-def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False):
+def _blocked_xla(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
+    return blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)
+
+
+def _blocked_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
+    from pallas_kernels.gpu import blocked_attention_pallas_gpu  # lazy: kernels import us
+    return blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
+
+
+# Implementations that take per-row bounds of any shape: what a chunk at an offset needs
+# (its keys are the ring plus itself, not a row from position 0).
+OFFSET_IMPLEMENTATIONS = {"xla": _blocked_xla, "pallas_gpu": _blocked_pallas_gpu}
+
+
+def offset_implementation(cfg: LlamaConfig) -> str:
+    """The implementation of prefill chunks at an offset: the model's when it takes per-row
+    bounds, else what `auto` picks for packed rows (cuDNN takes none); `xla` where that
+    implementation has no offset form."""
+    name = cfg.attention.implementation
+    if name not in OFFSET_IMPLEMENTATIONS:
+        name = resolve_implementation("auto", pattern=cfg.attention.pattern,
+                                      head_dim=cfg.head_dim, dtype=cfg.dtype, packed=True)
+    return name if name in OFFSET_IMPLEMENTATIONS else "xla"
+
+
+def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, write, rows):
+    """Attention of a chunk at position 0 of every row: the model's own `run_attention` (any
+    implementation, cuDNN included), then its completed slots and last raw keys into the
+    cache. The same result as the offset path, without the ring's padding rows."""
+    size = pat.slot_size
+    pooled = min(n // size, num_slots)
+    slot = jnp.arange(pooled, dtype=jnp.int32)[None]
+    slot = jnp.where(slot < (n_valid // size)[:, None], slot, num_slots)
+
+    def attend(i, q, k, v, cache):
+        q = q.astype(cache.k.dtype)
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        out = run_attention(q, k, v, pat, pooling=cfg.attention.pooling,
+                            implementation=cfg.attention.implementation)
+        ck, cv = cache.ck, cache.cv
+        if pooled:
+            new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=pooled,
+                                              pooling=cfg.attention.pooling)
+            ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
+        cache = cache.replace(k=_scatter(cache.k, i, rows, write, k),
+                              v=_scatter(cache.v, i, rows, write, v), ck=ck, cv=cv)
+        return out, cache
+
+    return attend
+
+
+def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False,
+                   first: bool = False):
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -122,6 +180,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
     front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
     total = front + n
+    blocked = OFFSET_IMPLEMENTATIONS[offset_implementation(cfg)]
 
     p0 = cache.lengths
     r = jnp.arange(n, dtype=jnp.int32)
@@ -130,6 +189,10 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     rows = jnp.arange(b)[:, None]
     # Only the last R tokens of a chunk stay in the ring (no two writes to one entry).
     write = jnp.where((r < n_valid[:, None]) & (pos >= end[:, None] - ring), pos % ring, ring)
+    cos, sin = rope_cos_sin(pos, cfg)
+    if first:
+        attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots, write, rows)
+        return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
     if num_slots:
@@ -153,13 +216,16 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
                                               num_groups=slot.shape[1],
                                               pooling=cfg.attention.pooling, group_start=start)
             ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
-        out = blocked_attention(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo,
-                                core_hi, blocking)[:, front:]
+        out = blocked(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo, core_hi,
+                      blocking)[:, front:]
         cache = cache.replace(k=_scatter(cache.k, i, rows, write, k),
                               v=_scatter(cache.v, i, rows, write, v), ck=ck, cv=cv)
         return out, cache
 
-    cos, sin = rope_cos_sin(pos, cfg)
+    return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
+
+
+def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits):
     hidden, cache = _run_layers(model, cache, model.embed_tokens(ids), cos, sin, attend)
     cache = cache.replace(lengths=end)
     last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
@@ -169,14 +235,16 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     return cache, last_logits
 
 
-prefill_chunk = jax.jit(_prefill_chunk, static_argnames=("all_logits",),
+prefill_chunk = jax.jit(_prefill_chunk, static_argnames=("all_logits", "first"),
                         donate_argnames=("cache",))
 prefill_chunk.__doc__ = """One prefill chunk, jitted: `(model_state, cache, ids [B, n], n_valid [B])
 -> (cache, logits of each row's last valid token [B, V])` (`all_logits=True`: also `[B, n, V]`).
 
 Row `b`'s first `n_valid[b]` tokens of `ids` go in at positions `cache.lengths[b] ...`; the
 others are ignored (nothing of them enters the cache). `model_state = nnx.split(model)`. The
-cache is donated."""
+cache is donated. `first=True` promises every row's cache is empty (the chunk starts at
+position 0): the chunk then runs as the model's own forward does (`run_attention`, cuDNN
+included), with no ring rows in front."""
 
 
 def prefill(model, cache: KVCache, input_ids, lengths=None, *,
@@ -212,6 +280,7 @@ def prefill(model, cache: KVCache, input_ids, lengths=None, *,
         raise ValueError(f"prompt of {int((start + lengths).max())} tokens (with the cache's "
                          f"{int(start.max())}) exceeds the cache's max_len={cache.max_len}.")
     chunk = min(chunk_size, max(t, 1))
+    empty = not start.any()
     model_state = nnx.split(model)
     last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
     all_logits = []
@@ -221,7 +290,7 @@ def prefill(model, cache: KVCache, input_ids, lengths=None, *,
         part[:, :width] = ids[:, c0:c0 + width]
         n_valid = np.clip(lengths - c0, 0, chunk).astype(np.int32)
         out = prefill_chunk(model_state, cache, jnp.asarray(part), jnp.asarray(n_valid),
-                            all_logits=return_all_logits)
+                            all_logits=return_all_logits, first=empty and c0 == 0)
         cache, chunk_last = out[0], out[1]
         last = jnp.where(jnp.asarray(n_valid > 0)[:, None], chunk_last, last)
         if return_all_logits:

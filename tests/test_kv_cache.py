@@ -386,3 +386,31 @@ def test_bad_inputs_are_refused():
         prefill(s.model, cache, np.full((3, 4), 61, np.int32), chunk_size=4)
     with pytest.raises(ValueError, match="lengths must be"):
         prefill(s.model, cache, s.ids[:, :4], [5, 1, 1], chunk_size=4)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_through_pallas_gpu_kernels():
+    """Chunks at an offset run through the Pallas GPU kernels (interpret mode here) when the
+    model's implementation is pallas_gpu: a prefill in chunks of 8 (the later ones with ring
+    rows in front, `chunk_blocking`) gives the full forward's logits and the cache of the
+    reference implementation."""
+    cfg = TINY.replace(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=64, num_hidden_layers=1, attention="cca", group_size=4,
+                       window_size=6,
+                       implementation="pallas_gpu")
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p * WEIGHT_SCALE if p.ndim > 1 else p, params))
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
+    lengths = np.array([21, 13])
+    graphdef, state = nnx.split(model)
+    ref = np.asarray(jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, jnp.asarray(ids)))
+    cache, _, logits = prefill(model, init_cache(cfg, 2, MAX_LEN), ids, lengths, chunk_size=8,
+                               return_all_logits=True)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], ref[b, :n], atol=LOGIT_TOL)
+    xla_model = LlamaForCausalLM(cfg.replace(implementation="xla"), rngs=nnx.Rngs(0))
+    nnx.update(xla_model, nnx.state(model, nnx.Param))
+    want, _ = prefill(xla_model, init_cache(xla_model.config, 2, MAX_LEN), ids, lengths,
+                      chunk_size=8)
+    assert_caches_equal(cache, want)
