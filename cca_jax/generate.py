@@ -286,6 +286,24 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+ATTENTION_FLAGS = ("attention", "group_size", "window_size", "sink_tokens")
+
+
+def add_attention_args(ap: argparse.ArgumentParser) -> None:
+    """The attention flags every inference CLI shares (generate, cca_jax.eval)."""
+    ap.add_argument("--attention", choices=("cca", "full", "sliding", "streaming"),
+                    default=None, help="attention option (default: the checkpoint's)")
+    ap.add_argument("--group-size", type=int, default=None, help="CCA group size g")
+    ap.add_argument("--window-size", type=int, default=None,
+                    help="local window (CCA s, sliding/streaming W)")
+    ap.add_argument("--sink-tokens", type=int, default=None, help="streaming's sink tokens N")
+
+
+def attention_overrides(a) -> dict:
+    """`from_pretrained` overrides from parsed attention flags (the ones given)."""
+    return {k: getattr(a, k) for k in ATTENTION_FLAGS if getattr(a, k) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cca_jax.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,12 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    ap.add_argument("--attention", choices=("cca", "full", "sliding", "streaming"),
-                    default=None, help="attention option (default: the checkpoint's)")
-    ap.add_argument("--group-size", type=int, default=None, help="CCA group size g")
-    ap.add_argument("--window-size", type=int, default=None,
-                    help="local window (CCA s, sliding/streaming W)")
-    ap.add_argument("--sink-tokens", type=int, default=None, help="streaming's sink tokens N")
+    add_attention_args(ap)
     ap.add_argument("--max-len", type=int, default=None, help="KV cache capacity in tokens "
                     "(default: prompt + new tokens)")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
@@ -374,11 +387,8 @@ def run(a, out=None, err=None) -> int:
               file=err)
 
     from cca_jax.pretrained import from_pretrained
-    overrides = {k: v for k, v in (("attention", a.attention), ("group_size", a.group_size),
-                                   ("window_size", a.window_size),
-                                   ("sink_tokens", a.sink_tokens)) if v is not None}
     try:
-        model = from_pretrained(ckpt, dtype=a.dtype, **overrides)
+        model = from_pretrained(ckpt, dtype=a.dtype, **attention_overrides(a))
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
     cfg = model.config
