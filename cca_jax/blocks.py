@@ -493,3 +493,36 @@ def chunk_slots(pattern: AttentionPattern, p0, chunk: int, front: int):
     first = (p0 + size) // size - 1          # the first slot ending at or after p0
     slot = first + xp.arange(n, dtype=xp.int32)
     return slot, slot * size - p0 + front
+
+
+# ---- Decode bounds: one query per row against the cache (Pallas GPU decode kernel) --------
+# The same visible sets as `cache_raw_visible` / `cache_slot_visible`, as three integers per
+# row instead of dense masks, so a kernel walks only the visible ring entries and slots.
+
+class DecodeBounds(NamedTuple):
+    """int32 bounds of what the query at position `t` sees of the cache, each shaped like `t`.
+
+    ring_first: the ring entry holding the oldest visible position; ring_count (>= 1): how
+    many positions are visible, in entries `(ring_first + i) % R` for `i < ring_count`, oldest
+    to newest (the newest, entry `t % R`, holds the query's own key). num_slots: slots
+    `[0, num_slots)` are visible (at most the cache's `C`).
+    """
+
+    ring_first: jax.Array
+    ring_count: jax.Array
+    num_slots: jax.Array
+
+
+def decode_bounds(pattern: AttentionPattern, t, ring: int, num_slots: int) -> DecodeBounds:
+    """`DecodeBounds` of queries at positions `t` (int or int array, numpy in -> numpy out)
+    against a cache with a ring of `ring` entries and `num_slots` slots.
+
+    Visible raw positions are `[lo, t]` with `lo = max(raw_start(t), t - R + 1, 0)`: the
+    ring holds the last `R` positions (`ring_positions`), as `cache_raw_visible` says.
+    """
+    xp = _xp(t)
+    t = xp.asarray(t).astype(xp.int32)
+    lo = xp.maximum(xp.maximum(xp.asarray(pattern.raw_start(t)), t - ring + 1), 0)
+    slots = xp.clip(xp.asarray(pattern.num_slots(t)), 0, num_slots)
+    return DecodeBounds((lo % ring).astype(xp.int32), (t - lo + 1).astype(xp.int32),
+                        slots.astype(xp.int32))

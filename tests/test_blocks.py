@@ -311,3 +311,45 @@ def test_row_blocks_for_interval_traced_and_at_paper_sizes():
 def test_visible_score_count_matches_spec(g, s, length):
     want = sum(brute_n_core(t, g, s) + t + 1 - brute_raw_start(t, g, s) for t in range(length))
     assert blocks.visible_score_count(length, g, s) == want
+
+
+# ---- decode bounds (the Pallas GPU decode kernel) ------------------------------------------
+
+DECODE_PATTERNS = [
+    blocks.cca_pattern(4, 6),
+    blocks.cca_pattern(16, 8),
+    blocks.AttentionPattern("sliding", window_size=7),
+    blocks.AttentionPattern("streaming", window_size=7, sink_tokens=3),
+    blocks.AttentionPattern("full"),
+]
+
+
+@pytest.mark.parametrize("pattern", DECODE_PATTERNS, ids=lambda p: p.kind)
+@pytest.mark.parametrize("max_len", [23, 64])
+def test_decode_bounds_match_the_dense_cache_masks(pattern, max_len):
+    ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
+    t = np.arange(max_len)
+    bounds = blocks.decode_bounds(pattern, t, ring, num_slots)
+    entries = (bounds.ring_first[:, None] + np.arange(ring)) % ring
+    raw = np.zeros((max_len, ring), bool)
+    for row in range(max_len):
+        assert 1 <= bounds.ring_count[row] <= ring
+        raw[row, entries[row, :bounds.ring_count[row]]] = True
+    np.testing.assert_array_equal(raw, blocks.cache_raw_visible(pattern, t, ring))
+    # The newest visible entry holds the query's own position.
+    np.testing.assert_array_equal((bounds.ring_first + bounds.ring_count - 1) % ring, t % ring)
+    slots = np.arange(num_slots) < bounds.num_slots[:, None]
+    np.testing.assert_array_equal(slots, blocks.cache_slot_visible(pattern, t, num_slots))
+    traced = jax.jit(lambda t: blocks.decode_bounds(pattern, t, ring, num_slots))(
+        jnp.asarray(t, jnp.int32))
+    for got, want in zip(traced, bounds):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.dtype == jnp.int32
+
+
+def test_decode_bounds_clip_slots_to_the_cache_and_take_python_ints():
+    pattern = blocks.cca_pattern(16, 1024)
+    assert blocks.decode_bounds(pattern, 1024 + 16 * 100, 1040, 64).num_slots == 64
+    first, count, slots = blocks.decode_bounds(pattern, 131071, 1040, 8192)
+    assert (int(first), int(count), int(slots)) == (
+        (16 * 8128) % 1040, 131071 - 16 * 8128 + 1, 8128)
