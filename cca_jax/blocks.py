@@ -526,3 +526,78 @@ def decode_bounds(pattern: AttentionPattern, t, ring: int, num_slots: int) -> De
     slots = xp.clip(xp.asarray(pattern.num_slots(t)), 0, num_slots)
     return DecodeBounds((lo % ring).astype(xp.int32), (t - lo + 1).astype(xp.int32),
                         slots.astype(xp.int32))
+
+
+# ---- Visit tables of kernels that walk blocks on a static grid (Pallas TPU) ----------------
+# A TPU kernel's grid is static, so a kernel walks a fixed number of steps per output block
+# and skips the steps past its own run-time count. The tables below give, per output block,
+# `(first, full_first, full_last, last)` of the blocks to visit (from the block helpers
+# above: bounds of the block's first and last rows, keys or slots), and the `*_steps`
+# functions a static bound on `last - first` that holds for every packing of the row.
+
+def query_block_visits(raw_lo, core_lo, core_hi, block_q: int, block_k: int, block_c: int):
+    """int32 `[B, nq, 8]`: per query block, the raw key blocks `(first, full_first,
+    full_last, last)` then the slot blocks (same four).
+
+    raw_lo, core_lo, core_hi: `[B, Lp]` row bounds with `Lp` a multiple of `block_q` (padded
+    rows as `padding.pad_row_bounds` makes them). numpy in, numpy out; else jnp.
+    """
+    xp = _xp(raw_lo)
+    nq = raw_lo.shape[1] // block_q
+    r0 = xp.arange(nq, dtype=xp.int32) * block_q
+    r1 = r0 + block_q - 1
+    raw = raw_blocks_for_rows(r0, r1, raw_lo[:, r0], raw_lo[:, r1], block_k)
+    core = core_blocks_for_rows(core_lo[:, r0], core_lo[:, r1], core_hi[:, r0],
+                                core_hi[:, r1], block_c)
+    raw = [xp.broadcast_to(x, raw_lo[:, r0].shape) for x in raw]
+    return xp.stack([*raw, *core], axis=-1).astype(xp.int32)
+
+
+def key_block_visits(raw_lo, block_k: int, block_q: int):
+    """int32 `[B, nk, 4]`: per raw key block, the query blocks that see it `(first,
+    full_first, full_last, last)`. raw_lo: `[B, Lp]`, `Lp` a multiple of both blocks."""
+    nk = raw_lo.shape[1] // block_k
+    last_row = raw_key_rows(raw_lo)
+    x0 = jnp.arange(nk, dtype=jnp.int32) * block_k
+    x1 = x0 + block_k - 1
+    visits = row_blocks_for_interval(x0, x1, last_row[:, x0], last_row[:, x1], block_q)
+    visits = [jnp.broadcast_to(x, last_row[:, x0].shape) for x in visits]
+    return jnp.stack(visits, axis=-1).astype(jnp.int32)
+
+
+def slot_block_visits(core_lo, core_hi, num_slots: int, block_c: int, block_q: int):
+    """int32 `[B, nc, 4]`: per block of `block_c` slots (`num_slots` a multiple of it), the
+    query blocks that see some slot of it `(first, full_first, full_last, last)`."""
+    nc = num_slots // block_c
+    first_row, end_row = core_slot_rows(core_lo, core_hi, num_slots)
+    c0 = jnp.arange(nc, dtype=jnp.int32) * block_c
+    c1 = c0 + block_c - 1
+    visits = row_blocks_for_interval(first_row[:, c0], first_row[:, c1], end_row[:, c0],
+                                     end_row[:, c1], block_q)
+    return jnp.stack(visits, axis=-1).astype(jnp.int32)
+
+
+def query_block_steps(pattern: AttentionPattern, length: int, padded_len: int, block_q: int,
+                      block_k: int, num_slot_blocks: int) -> tuple[int, int]:
+    """Static `(raw, slot)` bounds on the blocks any query block visits, packed or not.
+
+    Raw: every row sees at most `W = widest_window` keys inside its document, so
+    `raw_lo(t) >= t - W + 1` (padded rows see only themselves); slots: all slot blocks.
+    """
+    width = widest_window(pattern, length)
+    r0 = np.arange(padded_len // block_q) * block_q
+    r1 = r0 + block_q - 1
+    first = np.maximum(r0 - width + 1, 0) // block_k
+    return int(np.max(r1 // block_k - first + 1)), int(num_slot_blocks)
+
+
+def key_block_steps(pattern: AttentionPattern, length: int, padded_len: int, block_k: int,
+                    block_q: int) -> int:
+    """Static bound on the query blocks that see one raw key block: key `u` is seen by rows
+    `u .. u + W - 1` at most (`W = widest_window`)."""
+    width = widest_window(pattern, length)
+    nq = padded_len // block_q
+    x0 = np.arange(padded_len // block_k) * block_k
+    last = np.minimum((x0 + block_k - 1 + width - 1) // block_q, nq - 1)
+    return int(np.max(last - x0 // block_q + 1))
+

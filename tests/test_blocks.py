@@ -353,3 +353,76 @@ def test_decode_bounds_clip_slots_to_the_cache_and_take_python_ints():
     first, count, slots = blocks.decode_bounds(pattern, 131071, 1040, 8192)
     assert (int(first), int(count), int(slots)) == (
         (16 * 8128) % 1040, 131071 - 16 * 8128 + 1, 8128)
+
+
+# ---- visit tables on a static grid (the Pallas TPU kernels' scalar prefetch) ---------------
+
+TABLE_PATTERNS = [blocks.cca_pattern(4, 6), blocks.cca_pattern(3, 13), blocks.cca_pattern(1, 2),
+                  blocks.AttentionPattern("sliding", window_size=9),
+                  blocks.AttentionPattern("streaming", window_size=7, sink_tokens=3),
+                  blocks.AttentionPattern("full")]
+
+
+def _padded_bounds(pattern, length, padded, seg):
+    from cca_jax.padding import pad_row_bounds
+    r = blocks.pattern_ranges(pattern, length, seg)
+    b = 1 if seg is None else seg.shape[0]
+    bounds = [jnp.broadcast_to(x, (b, length)).astype(jnp.int32)
+              for x in (r.raw_lo, r.core_lo, r.core_hi)]
+    return [np.asarray(x) for x in pad_row_bounds(*bounds, padded)]
+
+
+@pytest.mark.parametrize("pattern", TABLE_PATTERNS, ids=lambda p: f"{p.kind}{p.group_size}")
+@pytest.mark.parametrize("length,packed,bq,bk,bc", [(45, False, 8, 8, 8), (64, False, 16, 8, 4),
+                                                   (57, True, 8, 16, 8)])
+def test_visit_tables_cover_exactly_the_visible_blocks(pattern, length, packed, bq, bk, bc):
+    """Dense masks from the padded row bounds against the tables of the TPU kernels: forward
+    and dq (key and slot blocks per query block), dk/dv (query blocks per key block), dck/dcv
+    (query blocks per slot block), and the static step bounds hold for every packing."""
+    rng = np.random.default_rng(length + bq)
+    seg = np.sort(rng.integers(0, 4, (2, length)), axis=1) if packed else None
+    unit = int(np.lcm.reduce([bq, bk]))
+    padded = -(-length // unit) * unit
+    m = pattern.max_slots(length, packed=packed)
+    slots = -(-max(m, 1) // bc) * bc
+    raw_lo, core_lo, core_hi = _padded_bounds(pattern, length, padded, seg)
+    t = np.arange(padded)
+    raw = (t[None, None] >= raw_lo[..., None]) & (t[None, None] <= t[None, :, None])
+    c = np.arange(slots)
+    core = (c >= core_lo[..., None]) & (c < core_hi[..., None])
+    nq, nk, nc = padded // bq, padded // bk, slots // bc
+    raw_steps, core_steps = blocks.query_block_steps(pattern, length, padded, bq, bk, nc)
+    key_steps = blocks.key_block_steps(pattern, length, padded, bk, bq)
+    fwd = blocks.query_block_visits(raw_lo, core_lo, core_hi, bq, bk, bc)
+    traced = blocks.query_block_visits(*map(jnp.asarray, (raw_lo, core_lo, core_hi)), bq, bk, bc)
+    np.testing.assert_array_equal(np.asarray(traced), fwd)
+    keys = np.asarray(blocks.key_block_visits(jnp.asarray(raw_lo), bk, bq))
+    slot_visits = np.asarray(blocks.slot_block_visits(jnp.asarray(core_lo),
+                                                      jnp.asarray(core_hi), slots, bc, bq))
+    for b in range(raw_lo.shape[0]):
+        for qb in range(nq):
+            rows = slice(qb * bq, (qb + 1) * bq)
+            check_block_range(fwd[b, qb, :4], [(raw[b, rows, j * bk:(j + 1) * bk], True)
+                                               for j in range(nk)])
+            check_block_range(fwd[b, qb, 4:], [(core[b, rows, j * bc:(j + 1) * bc], True)
+                                               for j in range(nc)], tight=not packed)
+            assert fwd[b, qb, 3] - fwd[b, qb, 0] <= raw_steps
+            assert fwd[b, qb, 7] - fwd[b, qb, 4] <= core_steps
+        for kb in range(nk):
+            check_block_range(keys[b, kb], [(raw[b, i * bq:(i + 1) * bq, kb * bk:(kb + 1) * bk],
+                                             True) for i in range(nq)])
+            assert keys[b, kb, 3] - keys[b, kb, 0] <= key_steps
+        for cb in range(nc):
+            check_block_range(slot_visits[b, cb],
+                              [(core[b, i * bq:(i + 1) * bq, cb * bc:(cb + 1) * bc], True)
+                               for i in range(nq)], tight=not packed)
+
+
+def test_visit_steps_at_paper_sizes():
+    """128K, g = 16, s = 1024, blocks of 512: a query block visits at most 4 raw key blocks
+    (the window of s + g - 1 keys plus its own rows) and the 16 blocks of 8128 slots; a raw
+    key block is seen by at most 4 query blocks."""
+    pattern, length = blocks.cca_pattern(16, 1024), 131072
+    nc = -(-pattern.max_slots(length) // 512)
+    assert blocks.query_block_steps(pattern, length, length, 512, 512, nc) == (4, 16)
+    assert blocks.key_block_steps(pattern, length, length, 512, 512) == 4

@@ -8,7 +8,7 @@ in the input dtype. Implementations (`IMPLEMENTATIONS`, the one registry of thei
   xla         blocked, memory-linear, any backend, every option
   pallas_gpu  Pallas kernels through the Triton lowering (interpret mode on CPU), every option
   cudnn       `jax.nn.dot_product_attention` through cuDNN: full and sliding, unpacked rows
-  pallas_tpu  Pallas kernels through Mosaic (not yet available)
+  pallas_tpu  Pallas kernels through Mosaic (the TPU interpreter on CPU), every option
 "auto" picks, per call, the fastest one that takes the call (`resolve_implementation`); it
 never picks `naive`, so no L x L array is built unless asked for.
 """
@@ -75,9 +75,13 @@ def _cudnn(q, k, v, pattern, *, pooling, segment_ids):
 
 
 def _pallas_tpu(q, k, v, pattern, *, pooling, segment_ids):
-    raise NotImplementedError(
-        "implementation='pallas_tpu' is not available yet (the Pallas TPU kernels are being "
-        "written). Use implementation='xla' (any backend) or 'auto'.")
+    backend = jax.default_backend()
+    if backend not in ("tpu", "cpu"):
+        raise ValueError(
+            f"implementation='pallas_tpu' runs on TPUs (or in the TPU interpreter on CPU), not "
+            f"on the {backend!r} backend; use implementation='auto' or 'xla'.")
+    from pallas_kernels.tpu import attention_pallas_tpu  # lazy: kernels import us
+    return attention_pallas_tpu(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
 
 
 class Implementation(NamedTuple):
@@ -105,7 +109,8 @@ def resolve_implementation(implementation: str, backend: str | None = None, *,
     """The implementation `run_attention` runs for this request on `backend`.
 
     "auto": on NVIDIA GPUs, cuDNN for full and sliding attention on unpacked rows in
-    bf16/fp16, else the Pallas kernels where the head dim is 64 or 128; `xla` elsewhere.
+    bf16/fp16, else the Pallas kernels where the head dim is 64 or 128; on TPUs the Pallas TPU
+    kernels; `xla` elsewhere.
     """
     if implementation not in IMPLEMENTATION_CHOICES:
         raise ValueError(
@@ -124,6 +129,8 @@ def resolve_implementation(implementation: str, backend: str | None = None, *,
             return "cudnn"
         if head_dim in _PALLAS_GPU_HEAD_DIMS:
             return "pallas_gpu"
+    if backend == "tpu":
+        return "pallas_tpu"   # every option, dtype and head dim (padded to 128 lanes)
     return "xla"
 
 

@@ -1,0 +1,201 @@
+"""Public entries of the Pallas TPU (Mosaic) kernels and their custom VJP.
+
+`blocked_attention_pallas_tpu` runs one softmax per row over raw keys `[raw_lo, t]` and slots
+`[core_lo, core_hi)` of prepared keys/values: every attention option (full, sliding,
+streaming, CCA) is such a pattern, so these kernels serve all of them. `attention_pallas_tpu`
+prepares a pattern's slots and bounds (`cca_jax.attention.pooling.slots_and_bounds`) and calls
+it; `cca_attention_pallas_tpu` is its CCA form.
+
+Padding happens outside the custom VJP (autodiff slices the gradients back): rows to a
+multiple of lcm(block_q, block_k) (padded rows see only their own zero key,
+`padding.pad_row_bounds`), slots to a multiple of block_c, and head dims to a multiple of 128
+with zeros (no dot product changes; the scale stays `1/sqrt(D)` of the caller's D).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from cca_jax import blocks
+from cca_jax.attention.pooling import slots_and_bounds
+from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
+from pallas_kernels.tpu import key_kernels, query_kernels
+from pallas_kernels.tpu.common import LANES, KernelConfig, check_config, head_view, row_layout
+from pallas_kernels.tpu.key_kernels import KeyWalk
+from pallas_kernels.tpu.query_kernels import QueryWalk
+
+
+def default_interpret():
+    """The TPU interpreter on CPU (out-of-bounds reads raise, fresh memory is NaN); False on
+    TPU."""
+    return pltpu.InterpretParams() if jax.default_backend() == "cpu" else False
+
+
+def kernel_config(*, interpret=None, **fields) -> KernelConfig:
+    """KernelConfig with `fields` overriding its defaults (None values ignored);
+    interpret=None: `default_interpret()`."""
+    fields = {name: value for name, value in fields.items() if value is not None}
+    for name in fields:
+        if name not in KernelConfig._fields or name == "interpret":
+            raise ValueError(f"unknown TPU kernel setting {name!r}; valid: "
+                             f"{[f for f in KernelConfig._fields if f != 'interpret']}.")
+    interpret = default_interpret() if interpret is None else interpret
+    return check_config(KernelConfig(interpret=interpret, **fields))
+
+
+class _Plan(NamedTuple):
+    """Everything static about one call (a custom_vjp non-diff argument)."""
+    cfg: KernelConfig
+    query: QueryWalk
+    raw_keys: KeyWalk
+    slots: KeyWalk | None
+
+
+def _plan(cfg: KernelConfig, length: int, padded_len: int, padded_slots: int, groups: int,
+          head_dim: int, padded_head_dim: int, window: int) -> _Plan:
+    scale = 1.0 / math.sqrt(head_dim)
+    nq, nk = padded_len // cfg.block_q, padded_len // cfg.block_k
+    nc = padded_slots // cfg.block_c
+    # Bounds from the widest raw window; a "full" pattern of that width is the same bound.
+    widest = AttentionPattern("sliding", window_size=max(1, min(window, length)))
+    raw_steps, _ = blocks.query_block_steps(widest, length, padded_len, cfg.block_q,
+                                            cfg.block_k, nc)
+    key_steps = blocks.key_block_steps(widest, length, padded_len, cfg.block_k, cfg.block_q)
+    query = QueryWalk(raw_steps, nc, nq, nk, nc, groups, padded_head_dim, scale)
+    raw_keys = KeyWalk(key_steps, groups, nq, nk, padded_head_dim, scale, slots=False)
+    slots = KeyWalk(nq, 1, nq, nc, padded_head_dim, scale, slots=True) if nc else None
+    return _Plan(cfg, query, raw_keys, slots)
+
+
+def _query_inputs(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan: _Plan):
+    inputs = dict(q=head_view(q), k=head_view(k), v=head_view(v), raw_lo=row_layout(raw_lo))
+    if plan.slots is not None:
+        inputs.update(ck=head_view(ck), cv=head_view(cv), core_lo=row_layout(core_lo),
+                      core_hi=row_layout(core_hi))
+    return inputs
+
+
+def _query_tables(raw_lo, core_lo, core_hi, cfg: KernelConfig):
+    return blocks.query_block_visits(raw_lo, core_lo, core_hi, cfg.block_q, cfg.block_k,
+                                     cfg.block_c).reshape(-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan: _Plan):
+    return _attention_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan)[0]
+
+
+def _attention_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan: _Plan):
+    tables = _query_tables(raw_lo, core_lo, core_hi, plan.cfg)
+    inputs = _query_inputs(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan)
+    out, lse = query_kernels.forward(plan.query, plan.cfg, tables, inputs)
+    out = out.reshape(q.shape)
+    return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
+
+
+def _attention_bwd(plan: _Plan, residuals, dout):
+    q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse = residuals
+    cfg = plan.cfg
+    do = head_view(dout.astype(q.dtype))
+    delta = row_layout(softmax_delta(dout, out))           # [B, Hq, 1, Lp]
+    inputs = _query_inputs(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan)
+    inputs.update(do=do, lse=lse, delta=delta)
+    dq = query_kernels.dq(plan.query, plan.cfg, _query_tables(raw_lo, core_lo, core_hi, cfg),
+                          inputs)
+    key_tables = blocks.key_block_visits(raw_lo, cfg.block_k, cfg.block_q).reshape(-1)
+    dk, dv = key_kernels.key_grads(plan.raw_keys, cfg, key_tables, inputs["k"], inputs["v"],
+                                   inputs["q"], do, lse, delta, (inputs["raw_lo"],))
+    if plan.slots is None:
+        dck, dcv = jnp.zeros_like(ck), jnp.zeros_like(cv)
+    else:
+        slot_tables = blocks.slot_block_visits(core_lo, core_hi, ck.shape[1], cfg.block_c,
+                                               cfg.block_q).reshape(-1)
+        dck, dcv = key_kernels.key_grads(plan.slots, cfg, slot_tables, inputs["ck"],
+                                         inputs["cv"], inputs["q"], do, lse, delta,
+                                         (inputs["core_lo"], inputs["core_hi"]))
+        dck, dcv = dck.reshape(ck.shape), dcv.reshape(cv.shape)
+    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dck, dcv,
+            None, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad_head_dim(x, d: int):
+    extra = d - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def _check_shapes(q, k, v, ck, cv, bounds):
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must be [B, L, H, D], got {q.shape} and {k.shape}.")
+    b, length, hq, d = q.shape
+    hkv = k.shape[2]
+    if k.shape != (b, length, hkv, d) or v.shape != k.shape or hq % hkv:
+        raise ValueError(f"k and v must be [B, L, Hkv, D] with Hq a multiple of Hkv; got q "
+                         f"{q.shape}, k {k.shape}, v {v.shape}.")
+    if ck.ndim != 4 or ck.shape[0] != b or ck.shape[2:] != (hq, d) or cv.shape != ck.shape:
+        raise ValueError(f"ck and cv must be [B, m, Hq, D]; got {ck.shape} and {cv.shape} for "
+                         f"q {q.shape}.")
+    if any(x.shape != (b, length) for x in bounds):
+        raise ValueError(f"raw_lo, core_lo and core_hi must be [B, L] = {(b, length)}; got "
+                         f"{[x.shape for x in bounds]}.")
+
+
+def blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
+                                 window: int | None = None, interpret=None, **tiling):
+    """One softmax per row over raw keys and slots, through Pallas' Mosaic (TPU) lowering.
+
+    q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (query head h uses KV head h // (Hq / Hkv));
+    ck, cv: `[B, m, Hq, D]` slot keys/values per query head (m may be 0); raw_lo, core_lo,
+    core_hi: int `[B, L]`, non-decreasing along t: row t sees raw keys `[raw_lo[t], t]` and
+    slots `[core_lo[t], core_hi[t])`. window: the most raw keys any row sees (sizes the static
+    grid; None: L, which is right for any bounds but walks every key block). interpret:
+    a `pltpu.InterpretParams` or False (default: the interpreter on CPU). `tiling`:
+    KernelConfig overrides (block_q=..., ...). Differentiable in q, k, v, ck and cv.
+    """
+    bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
+    _check_shapes(q, k, v, ck, cv, bounds)
+    b, length, hq, d = q.shape
+    if window is None:
+        window = length
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (the widest raw window, e.g. "
+                         f"blocks.widest_window(pattern, L)), got {window!r}.")
+    cfg = kernel_config(interpret=interpret, **tiling)
+    dp = round_up(d, LANES)
+    lp = round_up(length, cfg.row_multiple)
+    m = ck.shape[1]
+    mp = round_up(m, cfg.block_c) if m else 0
+    plan = _plan(cfg, length, lp, mp, hq // k.shape[2], d, dp, window)
+    qp, kp, vp = (pad_rows(_pad_head_dim(x, dp), lp) for x in (q, k, v))
+    ckp, cvp = (pad_rows(_pad_head_dim(x, dp), mp) for x in (ck, cv))
+    rlo, clo, chi = pad_row_bounds(*(x.astype(jnp.int32) for x in bounds), lp)
+    out = _attention(qp, kp, vp, ckp, cvp, rlo, clo, chi, plan)
+    return out[:, :length, :, :d]
+
+
+def attention_pallas_tpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
+                         segment_ids=None, interpret=None, **tiling):
+    """Attention under `pattern` (full, sliding, streaming, cca) through the TPU kernels;
+    same result as `cca_jax.attention.run_attention`."""
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
+                                       segment_ids=segment_ids)
+    window = blocks.widest_window(pattern, q.shape[1])
+    return blocked_attention_pallas_tpu(q, k, v, ck, cv, *bounds, window=window,
+                                        interpret=interpret, **tiling)
+
+
+def cca_attention_pallas_tpu(q, k, v, *, group_size: int, window_size: int,
+                             pooling: str = "cca", segment_ids=None, interpret=None, **tiling):
+    """CCA attention (SPEC.md) through the TPU kernels; same result as `cca_attention`."""
+    return attention_pallas_tpu(q, k, v, cca_pattern(group_size, window_size),
+                                pooling=pooling, segment_ids=segment_ids,
+                                interpret=interpret, **tiling)
