@@ -1,0 +1,104 @@
+"""What every evaluation shares: loading the checkpoint (model + tokenizer), the run's
+environment record, and writing results (JSON, markdown table)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from cca_jax.generate import UsageError, attention_overrides, load_tokenizer
+
+
+def check_positive(name: str, value, *, zero_ok: bool = False) -> None:
+    """UsageError unless `value` is an int > 0 (>= 0 with `zero_ok`); `name` is the flag."""
+    low = 0 if zero_ok else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UsageError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def check_checkpoint(ckpt: str | Path) -> Path:
+    """The checkpoint directory, or a UsageError saying what to pass."""
+    from cca_jax.checkpoint import find_config
+
+    path = Path(ckpt)
+    if not path.is_dir():
+        raise UsageError(f"checkpoint directory {path} does not exist (--ckpt).")
+    try:
+        find_config(path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{e} Is --ckpt a converted checkpoint "
+                         "(python -m convert.hf_to_flax) or a train/ export?") from None
+    return path
+
+
+def load_model(a):
+    """`from_pretrained(--ckpt)` with the attention flags, --dtype and
+    --max-position-embeddings applied; UsageError for what the user can fix."""
+    from cca_jax.pretrained import from_pretrained
+
+    ckpt = check_checkpoint(a.ckpt)
+    for name in ("group_size", "window_size", "max_position_embeddings"):
+        if getattr(a, name, None) is not None:
+            check_positive("--" + name.replace("_", "-"), getattr(a, name))
+    if a.sink_tokens is not None:
+        check_positive("--sink-tokens", a.sink_tokens, zero_ok=True)
+    overrides = attention_overrides(a)
+    if getattr(a, "max_position_embeddings", None) is not None:
+        overrides["max_position_embeddings"] = a.max_position_embeddings
+    try:
+        return from_pretrained(ckpt, dtype=a.dtype, **overrides)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
+
+
+def load_checkpoint_tokenizer(a):
+    """The checkpoint's own tokenizer (transformers, offline)."""
+    return load_tokenizer(check_checkpoint(a.ckpt))
+
+
+def attention_record(cfg) -> dict[str, Any]:
+    """The attention settings a result was measured with."""
+    att = cfg.attention
+    return {"attention": att.kind, "group_size": att.group_size,
+            "window_size": att.window_size, "sink_tokens": att.sink_tokens}
+
+
+def environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Device, versions, date and command, for every result file."""
+    import jax
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "jax": jax.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": "python -m cca_jax.eval " + " ".join(argv)}
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats with 4 significant digits (thousands separated)."""
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def environment_lines(env: dict[str, Any]) -> str:
+    """The environment as markdown lines under a result table."""
+    return (f"\nDevice: {env['device']} ({env['backend']}); jax {env['jax']}, python "
+            f"{env['python']}; {env['date']}.\nCommand: `{env['command']}`\n")
+
+
+def write_json(path: str | Path | None, record: dict[str, Any]) -> None:
+    """Write `record` to `path` (directories created); nothing when path is None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")

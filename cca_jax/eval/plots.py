@@ -1,0 +1,122 @@
+"""PNG plots of evaluation results (matplotlib, no display needed).
+
+- `plot_record(record, path)`: the picture of one CLI result: perplexity by position (ppl),
+  accuracy by length and depth as a heat map (passkey), accuracy by gold-document position
+  (mdqa, when the data has more than one).
+- `plot_stories(result, path)`: Experiment 1 (benchmarks/stories_experiment.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def _label(rec: dict[str, Any]) -> str:
+    kind = rec.get("attention")
+    if kind == "cca":
+        return f"cca g={rec['group_size']} s={rec['window_size']}"
+    if kind == "sliding":
+        return f"sliding W={rec['window_size']}"
+    if kind == "streaming":
+        return f"streaming N={rec['sink_tokens']} W={rec['window_size']}"
+    return str(kind)
+
+
+def _position_curve(ax, rec: dict[str, Any], **style) -> None:
+    pts = [((b["lo"] + b["hi"]) / 2, b["ppl"]) for b in rec["by_position"] if b["ppl"]]
+    ax.plot([p for p, _ in pts], [v for _, v in pts], marker=".", **style)
+
+
+def plot_ppl(record: dict[str, Any], path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    _position_curve(ax, record, label=_label(record))
+    ax.set(xlabel="position in window (tokens)", ylabel="perplexity", yscale="log",
+           title=f"perplexity by position (ppl {record['ppl']:.3g} over "
+                 f"{record['windows']} windows)")
+    ax.legend()
+    _save(fig, path)
+
+
+def plot_passkey(record: dict[str, Any], path) -> None:
+    import numpy as np
+
+    plt = _pyplot()
+    lengths, depths = record["lengths"], record["depths"]
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for cell in record["by_length_depth"]:
+        grid[depths.index(cell["depth"]), lengths.index(cell["length"])] = cell["accuracy"]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        ax.text(j, i, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set(xlabel="prompt length (tokens)", ylabel="needle depth",
+           title=f"{record['task_kind']}: {_label(record)} (acc {record['accuracy']:.2f})")
+    fig.colorbar(im, ax=ax, label="exact match")
+    _save(fig, path)
+
+
+def plot_mdqa(record: dict[str, Any], path) -> None:
+    plt = _pyplot()
+    rows = record.get("by_gold_position") or []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([r["gold_position"] for r in rows], [r["accuracy"] for r in rows], marker="o")
+    ax.set(xlabel="position of the gold document", ylabel="accuracy", ylim=(0, 1),
+           title=f"{record['format']}: {_label(record)} (n={record['examples']})")
+    _save(fig, path)
+
+
+def plot_record(record: dict[str, Any], path) -> None:
+    """The picture of one `python -m cca_jax.eval` result."""
+    {"ppl": plot_ppl, "passkey": plot_passkey, "mdqa": plot_mdqa}[record["task"]](record, path)
+
+
+def plot_stories(result: dict[str, Any], path) -> None:
+    """Experiment 1: ppl per option (swapped in vs fine-tuned) and by position."""
+    import numpy as np
+
+    plt = _pyplot()
+    names = list(result["options"])
+    recs = result["options"]
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4))
+    x = np.arange(len(names))
+    before = [recs[n]["swapped"]["ppl"] for n in names]
+    after = [recs[n]["fine_tuned"]["ppl"] for n in names]
+    bars.bar(x - 0.2, before, 0.4, label="swapped in, no fine-tune")
+    bars.bar(x + 0.2, after, 0.4, label=f"fine-tuned ({result['train']['steps']} steps)")
+    for xi, v in zip(np.r_[x - 0.2, x + 0.2], before + after):
+        bars.text(xi, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+    bars.set_xticks(x, [_label(recs[n]["swapped"]) for n in names], fontsize=8)
+    bars.set(yscale="log", ylabel="perplexity (log)", title="held-out self-samples, 512 tokens")
+    bars.legend(fontsize=8)
+    for i, n in enumerate(names):
+        color = f"C{i}"
+        _position_curve(curve, recs[n]["swapped"], color=color, linestyle=":",
+                        label=f"{_label(recs[n]['swapped'])}, swapped")
+        _position_curve(curve, recs[n]["fine_tuned"], color=color,
+                        label=f"{_label(recs[n]['fine_tuned'])}, fine-tuned")
+    window = recs["cca"]["option"]["window_size"] if "cca" in recs else None
+    if window:
+        curve.axvline(window, color="grey", linewidth=0.8)
+        curve.text(window, curve.get_ylim()[1], f" raw window {window}", va="top", fontsize=7)
+    curve.set(yscale="log", xlabel="position in window (tokens)", ylabel="perplexity (log)",
+              title="perplexity by position")
+    curve.legend(fontsize=6, ncol=2)
+    _save(fig, path)
