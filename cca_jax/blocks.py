@@ -601,3 +601,29 @@ def key_block_steps(pattern: AttentionPattern, length: int, padded_len: int, blo
     last = np.minimum((x0 + block_k - 1 + width - 1) // block_q, nq - 1)
     return int(np.max(last - x0 // block_q + 1))
 
+
+def decode_block_visits(bounds: DecodeBounds, ring: int, block_r: int, block_c: int):
+    """int32 `[..., 6]` per row for a kernel walking the cache in blocks of `block_r` ring
+    entries and `block_c` slots: `(ring_first, ring_count, num_slots, ring_block_first,
+    ring_blocks, slot_blocks)` (the `DecodeBounds` of `decode_bounds`, then the blocks to
+    visit: ring blocks `ring_block_first ..` (all `ceil(R / block_r)` of them when the
+    visible entries wrap around the ring's end) and slot blocks `[0, slot_blocks)`)."""
+    first, count, slots = bounds
+    xp = _xp(first)
+    wraps = first + count > ring
+    block_first = xp.where(wraps, 0, first // block_r)
+    ring_blocks = xp.where(wraps, _cdiv(ring, block_r),
+                           (first + count - 1) // block_r + 1 - block_first)
+    fields = (first, count, slots, block_first, ring_blocks, _cdiv(slots, block_c))
+    return xp.stack([xp.broadcast_to(xp.asarray(x), xp.shape(first)) for x in fields],
+                    axis=-1).astype(xp.int32)
+
+
+def ring_entry_visible(entry, ring_first, ring_count, ring: int):
+    """Ring `entry` holds a visible position (`DecodeBounds`): `(entry - ring_first) mod R <
+    ring_count`, written without a vector remainder (for kernels); entries `>= R` (a block's
+    overhang past the ring) are not."""
+    offset = entry - ring_first
+    where = np.where if isinstance(offset, np.ndarray) else jnp.where
+    offset = where(offset < 0, offset + ring, offset)
+    return (offset < ring_count) & (entry < ring)

@@ -426,3 +426,29 @@ def test_visit_steps_at_paper_sizes():
     nc = -(-pattern.max_slots(length) // 512)
     assert blocks.query_block_steps(pattern, length, length, 512, 512, nc) == (4, 16)
     assert blocks.key_block_steps(pattern, length, length, 512, 512) == 4
+
+
+@pytest.mark.parametrize("pattern", DECODE_PATTERNS, ids=lambda p: p.kind)
+@pytest.mark.parametrize("max_len,block_r,block_c", [(23, 4, 2), (64, 16, 8), (64, 5, 3)])
+def test_decode_block_visits_hold_the_visible_entries(pattern, max_len, block_r, block_c):
+    """The TPU decode kernel's walk: every visible ring entry and slot lies in a visited block,
+    the visited blocks exist, and `ring_entry_visible` is `cache_raw_visible`."""
+    ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
+    t = np.arange(max_len)
+    bounds = blocks.decode_bounds(pattern, t, ring, num_slots)
+    table = blocks.decode_block_visits(bounds, ring, block_r, block_c)
+    traced = jax.jit(lambda b: blocks.decode_block_visits(b, ring, block_r, block_c))(
+        blocks.DecodeBounds(*map(jnp.asarray, bounds)))
+    np.testing.assert_array_equal(np.asarray(traced), table)
+    entries = np.arange(-(-ring // block_r) * block_r)
+    visible = blocks.ring_entry_visible(entries[None], bounds.ring_first[:, None],
+                                        bounds.ring_count[:, None], ring)
+    np.testing.assert_array_equal(visible[:, :ring], blocks.cache_raw_visible(pattern, t, ring))
+    assert not visible[:, ring:].any()
+    block_first, ring_blocks, slot_blocks = table[:, 3], table[:, 4], table[:, 5]
+    assert np.all(ring_blocks >= 1) and np.all(block_first + ring_blocks <= -(-ring // block_r))
+    visited = ((entries[None] // block_r >= block_first[:, None])
+               & (entries[None] // block_r < (block_first + ring_blocks)[:, None]))
+    assert not np.any(visible & ~visited)
+    assert np.all(slot_blocks * block_c >= bounds.num_slots)
+    assert np.all(slot_blocks <= -(-num_slots // block_c))

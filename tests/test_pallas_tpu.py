@@ -18,9 +18,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from cca_jax import blocks
 from cca_jax.attention import resolve_implementation, run_attention
 from cca_jax.blocks import AttentionPattern, cca_pattern
-from pallas_kernels.tpu import attention_pallas_tpu, blocked_attention_pallas_tpu, kernel_config
+from cca_jax.decode import cached_attention
+from pallas_kernels.tpu import (attention_pallas_tpu, blocked_attention_pallas_tpu,
+                                decode_attention_pallas_tpu, kernel_config)
 
 STRICT = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                uninitialized_memory="nan")
@@ -104,6 +107,35 @@ def test_bf16_cca_shorter_than_the_window_forward():
     check_against_naive(cca_pattern(8, 128), q, k, v, grads=False)
 
 
+def check_decode(pattern, max_len, positions, hq, hkv, d, seed, layers=1, **tiling):
+    """The decode kernel against `cached_attention` (XLA, dense masks) on a random cache
+    (stacked over `layers`, the last one read in place); returns the max error."""
+    ring, slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
+    b = len(positions)
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, hq, d))
+    kr, vr = (jax.random.normal(x, (layers, b, ring, hkv, d)) for x in ks[1:3])
+    ck, cv = (jax.random.normal(x, (layers, b, slots, hq, d)) for x in ks[3:])
+    pos = np.asarray(positions)
+    bounds = blocks.decode_bounds(pattern, pos, ring, slots)
+    run = jax.jit(functools.partial(decode_attention_pallas_tpu, interpret=STRICT, **tiling))
+    out = run(q, kr, vr, ck, cv, bounds, layer=jnp.int32(layers - 1))
+    want = cached_attention(q, kr[-1], vr[-1], ck[-1], cv[-1],
+                            jnp.asarray(blocks.cache_raw_visible(pattern, pos, ring)),
+                            jnp.asarray(blocks.cache_slot_visible(pattern, pos, slots)))
+    err = float(jnp.max(jnp.abs(out - want)))
+    assert out.dtype == jnp.float32 and err <= 2e-6, err
+    return err
+
+
+def test_decode_against_cached_attention():
+    """G = 2, a cache stacked over 2 layers read in place, a ring of 204 and 200 slots in
+    blocks of 128 (both overhang their arrays); rows before the ring fills, with the visible
+    entries wrapping around its end, before any slot and with all of them."""
+    check_decode(cca_pattern(4, 200), 1000, [3, 150, 260, 999], 4, 2, 128, seed=4, layers=2,
+                 decode_block_k=128, decode_block_c=128)
+
+
 def test_auto_picks_pallas_tpu_on_tpu():
     for kind in ("full", "sliding", "streaming", "cca"):
         pattern = AttentionPattern(kind, group_size=16, window_size=1024, sink_tokens=4)
@@ -155,6 +187,18 @@ def test_random_patterns_and_shapes(seed):
     pattern, shape, seg, pooling = _random_case(seed)
     q, k, v = _inputs(*shape, seed=seed)
     check_against_naive(pattern, q, k, v, seg, pooling=pooling)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", [AttentionPattern("full"),
+                                     AttentionPattern("sliding", window_size=130),
+                                     AttentionPattern("streaming", window_size=130, sink_tokens=3),
+                                     cca_pattern(16, 100), cca_pattern(1, 5)],
+                         ids=lambda p: p.kind)
+def test_decode_every_option(pattern):
+    rng = np.random.default_rng(5)
+    check_decode(pattern, 700, rng.integers(0, 700, 5).tolist() + [0, 699], 4, 1, 128, seed=6,
+                 decode_block_k=128, decode_block_c=128)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Attention kernels for TPUs through Pallas' Mosaic lowering (forward, backward, decode)."""
 
 from pallas_kernels.tpu.api import (attention_pallas_tpu, blocked_attention_pallas_tpu,
-                                    cca_attention_pallas_tpu, default_interpret, kernel_config)
+                                    cca_attention_pallas_tpu, decode_attention_pallas_tpu,
+                                    default_interpret, kernel_config)
 from pallas_kernels.tpu.common import KernelConfig
 
 __all__ = ["attention_pallas_tpu", "blocked_attention_pallas_tpu", "cca_attention_pallas_tpu",
-           "default_interpret", "kernel_config", "KernelConfig"]
+           "decode_attention_pallas_tpu", "default_interpret", "kernel_config", "KernelConfig"]

@@ -28,6 +28,7 @@ from cca_jax.blocks import AttentionPattern, cca_pattern
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 from pallas_kernels.tpu import key_kernels, query_kernels
 from pallas_kernels.tpu.common import LANES, KernelConfig, check_config, head_view, row_layout
+from pallas_kernels.tpu.decode import check_decode_inputs, decode_attention
 from pallas_kernels.tpu.key_kernels import KeyWalk
 from pallas_kernels.tpu.query_kernels import QueryWalk
 
@@ -199,3 +200,23 @@ def cca_attention_pallas_tpu(q, k, v, *, group_size: int, window_size: int,
     return attention_pallas_tpu(q, k, v, cca_pattern(group_size, window_size),
                                 pooling=pooling, segment_ids=segment_ids,
                                 interpret=interpret, **tiling)
+
+
+def decode_attention_pallas_tpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
+                                interpret=None, **tiling):
+    """`cca_jax.decode.cached_attention` with per-row bounds instead of masks; float32 out.
+
+    q: `[B, Hq, D]`; k_ring, v_ring: `[B, R, Hkv, D]`; ck, cv: `[B, C, Hq, D]` (C may be 0).
+    bounds: `cca_jax.blocks.decode_bounds(pattern, positions, R, C)`, positions being each
+    row's query position (`KVCache.lengths` before the step; its own key already in the
+    ring). layer: with it, the four cache arrays are `KVCache`'s stacked `[L, B, ...]` ones
+    and layer `layer` (int, traced or not) is read in place. D a multiple of 128 on TPU.
+    tiling: `decode_block_k` (ring entries per step), `decode_block_c` (slots per step).
+    """
+    cfg = kernel_config(interpret=interpret, **tiling)
+    check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds, layer is not None, cfg)
+    bounds = blocks.DecodeBounds(*(jnp.asarray(x, jnp.int32) for x in bounds))
+    if layer is None:
+        k_ring, v_ring, ck, cv = (x[None] for x in (k_ring, v_ring, ck, cv))
+        layer = 0
+    return decode_attention(q, k_ring, v_ring, ck, cv, bounds, layer, cfg)

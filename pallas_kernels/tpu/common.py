@@ -107,21 +107,21 @@ def iota(shape, dim: int, start):
     return start + lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def online_softmax_step(scores, mask, values, m_ref, l_ref, acc_ref):
+def online_softmax_step(scores, mask, values, m_ref, l_ref, acc_ref, rows=slice(None)):
     """Fold one tile of float32 scores `[rows, keys]` (scaled) into the running max `m_ref`,
-    denominator `l_ref` (`[rows, 1]`) and accumulator `acc_ref` (`[rows, D]`).
-    mask: bool tile or None (every entry visible)."""
+    denominator `l_ref` (`[rows, 1]`) and accumulator `acc_ref` (`[rows, D]`), or into their
+    `rows` slice. mask: bool tile or None (every entry visible)."""
     if mask is not None:
         scores = jnp.where(mask, scores, MASKED)
-    m_prev = m_ref[...]
+    m_prev = m_ref[rows]
     m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_new)
     p = jnp.exp(scores - m_new)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + dot_nn(p.astype(values.dtype), values)
-    m_ref[...] = m_new
+    l_ref[rows] = alpha * l_ref[rows] + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[rows] = alpha * acc_ref[rows] + dot_nn(p.astype(values.dtype), values)
+    m_ref[rows] = m_new
 
 
 def compiler_params(cfg: KernelConfig, semantics: tuple[str, ...]):
