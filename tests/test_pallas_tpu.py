@@ -211,3 +211,20 @@ def test_causality():
     t = 150
     changed = [x.at[:, t + 1:].set(7.0) for x in (q, k, v)]
     np.testing.assert_array_equal(np.asarray(run(*changed))[:, :t + 1], np.asarray(base)[:, :t + 1])
+
+
+# ---- ahead-of-time compilation for real TPUs (needs libtpu) -----------------------------------
+
+@pytest.mark.tpu_aot
+def test_aot_compile_for_tpu_topologies():
+    """Forward, backward and decode compile with Mosaic for v5e, v5p and v6e at the paper's
+    128K shapes (Hkv = 32 and 8) and at a ragged packed shape; writes
+    benchmarks/results/tpu_aot.json. Run: `/work/tpu-venv/bin/python -m pytest
+    tests/test_pallas_tpu.py -m tpu_aot` (benchmarks/tpu_aot.py says how to get libtpu)."""
+    pytest.importorskip("libtpu")
+    from benchmarks import tpu_aot
+    records = tpu_aot.run(out="benchmarks/results/tpu_aot")
+    assert len(records) == len(tpu_aot.TOPOLOGIES) * len(tpu_aot.SHAPES) * len(tpu_aot.KERNELS)
+    failed = [(r["topology"], r["shape"], r["kernel"], r["error"]) for r in records
+              if not r["compiled"]]
+    assert not failed, failed

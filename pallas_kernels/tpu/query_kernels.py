@@ -86,11 +86,12 @@ def _specs(walk: QueryWalk, block_q: int, block_k: int, block_c: int, d: int):
     return rows, raw, core, bounds, per_head
 
 
-def _walk_tiles(q, tables_ref, refs, walk: QueryWalk, fold):
-    """Call `fold(keys, values, mask_or_None)` for the raw or slot tile of this step."""
+def _walk_tiles(tables_ref, refs, walk: QueryWalk, fold):
+    """Call `fold(keys, values, mask_or_None)` for the raw or slot tile of this step (loads
+    happen inside, so a skipped step reads nothing)."""
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     v = _visit(tables_ref, b, i, j, walk)
-    bq = q.shape[0]
+    bq = refs["q"].shape[0]
     r0 = i * bq
 
     def raw_body(masked):
@@ -134,11 +135,10 @@ def _forward_kernel(tables_ref, *refs, walk: QueryWalk, names):
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    q = named["q"][...]
-
     def fold(keys, values, mask):
-        online_softmax_step(dot_nt(q, keys) * walk.scale, mask, values, m_ref, l_ref, acc_ref)
-    _walk_tiles(q, tables_ref, named, walk, fold)
+        scores = dot_nt(named["q"][...], keys) * walk.scale
+        online_softmax_step(scores, mask, values, m_ref, l_ref, acc_ref)
+    _walk_tiles(tables_ref, named, walk, fold)
 
     @pl.when(j == walk.steps - 1)
     def _():
@@ -156,16 +156,13 @@ def _dq_kernel(tables_ref, *refs, walk: QueryWalk, names):
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    q, do = named["q"][...], named["do"][...]
-    lse, delta = as_column(named["lse"]), as_column(named["delta"])
-
     def fold(keys, values, mask):
-        p = jnp.exp(dot_nt(q, keys) * walk.scale - lse)
+        p = jnp.exp(dot_nt(named["q"][...], keys) * walk.scale - as_column(named["lse"]))
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        ds = p * (dot_nt(do, values) - delta)
+        ds = p * (dot_nt(named["do"][...], values) - as_column(named["delta"]))
         acc_ref[...] += dot_nn(ds.astype(keys.dtype), keys)
-    _walk_tiles(q, tables_ref, named, walk, fold)
+    _walk_tiles(tables_ref, named, walk, fold)
 
     @pl.when(j == walk.steps - 1)
     def _():
