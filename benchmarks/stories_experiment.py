@@ -60,7 +60,30 @@ def convert_stories(work: Path) -> Path:
     return ckpt
 
 
-def sample_sequences(ckpt: Path, count: int, seed: int, batch: int = 64) -> np.ndarray:
+def write_byte_tokenizer(ckpt: Path) -> None:
+    """A stand-in tokenizer for stories260K, for running the text tasks (passkey, mdqa) at all.
+
+    llama2.c's tok512 is a SentencePiece BPE with byte fallback: ids 0-2 are <unk>, <s>, </s>
+    and ids 3-258 the bytes <0x00>-<0xFF>, as in every such model; ids 259-511 (its merges)
+    are not shipped. Text is therefore encoded byte by byte (a valid tok512 encoding, though
+    never the one the model was trained on), and ids 259-511 decode to `<tok512:ID>`."""
+    from tokenizers import Tokenizer, decoders, models, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    vocab.update({f"<tok512:{i}>": i for i in range(259, 512)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "unk_token": "<unk>", "model_max_length": SEQ_LEN}, indent=1) + "\n")
+
+
+def sample_sequences(ckpt: Path, count: int, seed: int, batch: int = 16) -> np.ndarray:
     """`[count, 512]` token ids: BOS + 511 tokens sampled from the full-attention model."""
     import cca_jax
     from cca_jax.generate import generate
@@ -158,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/stories_experiment")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/stories_ppl"))
     ap.add_argument("--replot", action="store_true", help="redraw <out>.png from <out>.json")
+    ap.add_argument("--tokenizer-only", action="store_true", help="convert stories260K into "
+                    "<work>/ckpt with the byte-fallback stand-in tokenizer, and stop")
     a = ap.parse_args(argv)
     from cca_jax.eval import plots
 
@@ -168,6 +193,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     ckpt = convert_stories(work)
+    if a.tokenizer_only:
+        write_byte_tokenizer(ckpt)
+        print(f"wrote {ckpt}/tokenizer.json")
+        return 0
     heldout, train_file = work / "heldout_tokens.npy", work / "train_tokens.npy"
     if not heldout.exists():
         print(f"sampling {a.heldout} held-out and {a.steps * a.batch_size} training sequences",

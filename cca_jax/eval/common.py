@@ -56,8 +56,10 @@ def load_model(a):
 
 
 def load_checkpoint_tokenizer(a):
-    """The checkpoint's own tokenizer (transformers, offline)."""
-    return load_tokenizer(check_checkpoint(a.ckpt))
+    """The checkpoint's own tokenizer (transformers, offline), for texts of any length."""
+    tokenizer = load_tokenizer(check_checkpoint(a.ckpt))
+    tokenizer.model_max_length = 1 << 62     # documents outgrow it; silence the warning
+    return tokenizer
 
 
 def attention_record(cfg) -> dict[str, Any]:

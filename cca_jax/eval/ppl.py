@@ -212,7 +212,6 @@ def read_text_tokens(a) -> np.ndarray:
     if not text.strip():
         raise UsageError(f"--text-file {a.text_file} is empty: give a document to score.")
     tokenizer = load_checkpoint_tokenizer(a)
-    tokenizer.model_max_length = 1 << 62      # a book is far longer; silence the warning
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
 
 
