@@ -6,6 +6,11 @@ Layers are created stacked (leading layer axis on every parameter) and run with 
 `lax.scan` over that axis, so the layer body is compiled once; `config.remat` wraps the body
 in `jax.checkpoint`. Parameters and activations use `param_dtype` / `dtype`; norms, softmax
 and logits are float32.
+
+`model.sequence_sharding` (None, or an `attention.SequenceSharding` that whoever shards the
+model sets) is handed to every attention call: with it, cca / sliding / streaming run with
+the sequence split over a mesh axis (halos and gathered slots), and with its "zigzag" layout
+the model's inputs and outputs are in that row order (positions default to it).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cca_jax.attention import run_attention
+from cca_jax.attention import SequenceSharding, run_attention
 from cca_jax.config import REMAT_POLICIES, LlamaConfig
 from cca_jax.rope import apply_rope, rope_cos_sin
 
@@ -51,7 +56,7 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg, h, cfg.num_key_value_heads * d, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, cfg.num_attention_heads * d, h, cfg.attention_bias, rngs)
 
-    def __call__(self, x, cos, sin, segment_ids):
+    def __call__(self, x, cos, sin, segment_ids, sequence_sharding=None):
         cfg = self.cfg
         b, length, _ = x.shape
         q = self.q_proj(x).reshape(b, length, cfg.num_attention_heads, cfg.head_dim)
@@ -60,7 +65,8 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = cfg.attention
         out = run_attention(q, k, v, a.pattern, pooling=a.pooling,
-                            implementation=a.implementation, segment_ids=segment_ids)
+                            implementation=a.implementation, segment_ids=segment_ids,
+                            sequence_sharding=sequence_sharding)
         return self.o_proj(out.reshape(b, length, -1))
 
 
@@ -85,17 +91,23 @@ class DecoderLayer(nnx.Module):
                                                 cfg.jnp_param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, segment_ids):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+    def __call__(self, x, cos, sin, segment_ids, sequence_sharding=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, sequence_sharding)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nnx.Module):
-    """`model(input_ids, segment_ids=None, positions=None) -> logits [B, L, V]` (float32)."""
+    """`model(input_ids, segment_ids=None, positions=None) -> logits [B, L, V]` (float32).
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs | None = None):
+    sequence_sharding: see the module docstring; a static attribute, settable after
+    construction (it travels in `nnx.split`'s graphdef).
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs | None = None,
+                 sequence_sharding: SequenceSharding | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
+        self.sequence_sharding = sequence_sharding
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
                                       param_dtype=cfg.jnp_param_dtype, embedding_init=_init(),
                                       rngs=rngs)
@@ -113,16 +125,19 @@ class LlamaForCausalLM(nnx.Module):
     def hidden_states(self, input_ids, segment_ids=None, positions=None):
         """Final normed hidden states `[B, L, hidden]` in `dtype`."""
         cfg = self.config
+        sharding = self.sequence_sharding
         _check_ids(input_ids, segment_ids, positions, cfg)
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+            order = (np.arange(input_ids.shape[1]) if sharding is None
+                     else sharding.row_order(input_ids.shape[1]))
+            positions = jnp.broadcast_to(jnp.asarray(order), input_ids.shape)
         cos, sin = rope_cos_sin(positions, cfg)
         x = self.embed_tokens(input_ids)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer_step(x, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            return layer(x, cos, sin, segment_ids), None
+            return layer(x, cos, sin, segment_ids, sharding), None
 
         if REMAT_POLICIES[cfg.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[cfg.remat])

@@ -28,6 +28,8 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
                  implementation="xla", loss_chunk=64),
     # Random weights of LLaMA-2-7B's shape, for measuring steps without a checkpoint.
     "llama2-7b-shape": dict(attention="cca", group_size=16, window_size=1024),
+    # Random weights of TinyLlama-1.1B's shape (GQA, 4 KV heads): all-parameter runs.
+    "tinyllama-1.1b-shape": dict(attention="cca", group_size=16, window_size=1024),
 }
 # Architecture of each preset's random model (vocab: the tokenizer's, at least).
 PRESET_MODELS: dict[str, dict[str, Any]] = {
@@ -36,6 +38,9 @@ PRESET_MODELS: dict[str, dict[str, Any]] = {
     "llama2-7b-shape": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                             num_hidden_layers=32, num_attention_heads=32,
                             num_key_value_heads=32),
+    "tinyllama-1.1b-shape": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                 num_hidden_layers=22, num_attention_heads=32,
+                                 num_key_value_heads=4),
 }
 PRESETS = tuple(PRESET_DEFAULTS)
 
@@ -80,6 +85,11 @@ class TrainConfig:
     log_every: int = 1
     loss_chunk: int = 1024             # tokens per chunk of the cross-entropy
     export_hf: bool = True
+    # several processes (train/multihost.py): jax.distributed.initialize's arguments
+    distributed: bool = False          # also implied by --coordinator
+    coordinator: str | None = None     # HOST:PORT of process 0's coordinator service
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         def need(cond, msg):
@@ -101,7 +111,18 @@ class TrainConfig:
              f"--batch-size {self.batch_size} must be a multiple of --grad-accum "
              f"{self.grad_accum} (each micro-batch holds batch_size / grad_accum sequences).")
         need(self.lr > 0 and self.max_grad_norm > 0, "--lr and --max-grad-norm must be > 0.")
+        if self.coordinator is not None:
+            need(self.num_processes is not None and self.num_processes >= 1
+                 and self.process_id is not None
+                 and 0 <= self.process_id < self.num_processes,
+                 "--coordinator HOST:PORT needs --num-processes N and --process-id I "
+                 "(0 <= I < N, a different I on each process).")
         self.mesh_shape  # validates  # noqa: B018
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether this process is one of several (jax.distributed.initialize)."""
+        return self.distributed or self.coordinator is not None
 
     @property
     def micro_batch(self) -> int:
@@ -131,7 +152,8 @@ class TrainConfig:
 
     def same_run(self, other: "TrainConfig") -> list[str]:
         """Fields that differ from `other`, ignoring those a resumed run may change."""
-        free = {"steps", "save_every", "keep", "log_every", "export_hf"}
+        free = {"steps", "save_every", "keep", "log_every", "export_hf", "distributed",
+                "coordinator", "num_processes", "process_id"}
         return sorted(f.name for f in dataclasses.fields(self)
                       if f.name not in free and getattr(self, f.name) != getattr(other, f.name))
 

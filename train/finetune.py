@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import batch_sharding, make_mesh, tree_shardings
+from train import multihost
 from train import step as steps
 from train.config import PRESET_MODELS, TRAINABLE, TrainConfig, parse_args
 from train.flops import peak_flops, train_flops_per_sequence
@@ -49,21 +51,37 @@ def preset_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
     return base.replace(**cfg.model_overrides())
 
 
-def load_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
-    """The model to train, with this run's attention, rope and length overrides."""
-    import cca_jax
+def _checkpoint_overrides(cfg: TrainConfig) -> dict:
     from cca_jax.checkpoint import find_config
 
-    if cfg.preset is not None:
-        model_cfg = preset_model_config(cfg, tokenizer.vocab_size)
-        return LlamaForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
     if not Path(cfg.checkpoint).exists():
         raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: no such directory (convert a "
                                 "Hugging Face checkpoint with python -m convert.hf_to_flax).")
     stored = LlamaConfig.from_pretrained_dir(find_config(cfg.checkpoint))
     overrides = cfg.model_overrides()
     overrides["max_position_embeddings"] = max(stored.max_position_embeddings, cfg.seq_len)
-    return cca_jax.from_pretrained(cfg.checkpoint, dtype=cfg.dtype, **overrides)
+    return overrides
+
+
+def model_config(cfg: TrainConfig, tokenizer) -> LlamaConfig:
+    """The model's config with this run's overrides, without loading any parameter."""
+    from cca_jax.checkpoint import find_config
+
+    if cfg.preset is not None:
+        return preset_model_config(cfg, tokenizer.vocab_size)
+    overrides = _checkpoint_overrides(cfg)
+    return LlamaConfig.from_pretrained_dir(find_config(cfg.checkpoint), **overrides)
+
+
+def load_model(cfg: TrainConfig, tokenizer) -> LlamaForCausalLM:
+    """The model to train, with this run's attention, rope and length overrides."""
+    import cca_jax
+
+    if cfg.preset is not None:
+        model_cfg = preset_model_config(cfg, tokenizer.vocab_size)
+        return LlamaForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
+    return cca_jax.from_pretrained(cfg.checkpoint, dtype=cfg.dtype,
+                                   **_checkpoint_overrides(cfg))
 
 
 DATA_CACHE = "data_cache"
@@ -98,9 +116,7 @@ def check_shapes(cfg: TrainConfig, mesh, model_cfg: LlamaConfig, tokenizer) -> N
         raise ValueError(f"each micro-batch holds {cfg.micro_batch} sequences (--batch-size / "
                          f"--grad-accum), which the mesh's data x fsdp = {data} devices do not "
                          "divide; raise --batch-size or change --mesh.")
-    if cfg.seq_len % mesh.shape["sequence"]:
-        raise ValueError(f"--seq-len {cfg.seq_len} is not a multiple of the mesh's sequence "
-                         f"axis ({mesh.shape['sequence']}).")
+    steps.check_sequence_split(mesh, model_cfg.attention.pattern, cfg.seq_len)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                          f"{model_cfg.vocab_size}: is the tokenizer the checkpoint's own?")
@@ -115,28 +131,34 @@ def _metrics_continue(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _device_batch(batch: dict, cfg: TrainConfig, sharding) -> dict:
-    keys = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
+def _device_batch(batch: dict, cfg: TrainConfig, sharding, sequence_sharding) -> dict:
+    """`[grad_accum, micro_batch, seq_len]` global arrays, rows in the model's layout."""
     shaped = {k: np.asarray(batch[k]).reshape(cfg.grad_accum, cfg.micro_batch, cfg.seq_len)
-              for k in keys}
-    return jax.device_put(shaped, sharding)
+              for k in steps.BATCH_KEYS}
+    return multihost.global_batch(steps.in_row_order(shaped, sequence_sharding), sharding)
 
 
 def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig) -> None:
+    """OUT/final (our format, saved by every process together, as orbax does) and OUT/hf
+    (process 0)."""
     from cca_jax.checkpoint import save_pretrained
     from convert.flax_to_hf import convert_flax_to_hf
 
     final = out / "final"
-    if not final.exists():
-        params = steps.merge_params(state.trainable, state.frozen)
-        save_pretrained(final, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params),
-                        model_cfg)
-        if cfg.checkpoint is not None:
-            for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                         "special_tokens_map.json"):
-                src = Path(cfg.checkpoint) / name
-                if src.exists():
-                    (final / name).write_bytes(src.read_bytes())
+    params = multihost.to_host(steps.merge_params(state.trainable, state.frozen))
+    multihost.barrier("export")
+    needed = not final.exists()
+    multihost.barrier("export decided")     # every process takes the same branch
+    if needed:
+        save_pretrained(final, params, model_cfg)
+    if not multihost.is_main():
+        return
+    if needed and cfg.checkpoint is not None:
+        for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json"):
+            src = Path(cfg.checkpoint) / name
+            if src.exists():
+                (final / name).write_bytes(src.read_bytes())
     if cfg.export_hf and not (out / "hf").exists():
         convert_flax_to_hf(final, out / "hf", verbose=False)
 
@@ -145,24 +167,37 @@ def run(cfg: TrainConfig) -> dict:
     """Train; returns {"losses": [...] of this invocation's steps, "out": OUT}."""
     from train.data import make_batches, make_tokenizer
 
+    multihost.initialize(cfg)
     out = check_run_dir(cfg)
     tokenizer = make_tokenizer(cfg.checkpoint)
+    mesh = make_mesh(cfg.mesh_shape)
+    check_shapes(cfg, mesh, model_config(cfg, tokenizer), tokenizer)
+    multihost.barrier("inputs checked")   # no process writes into OUT before all have read it
+
+    def data():
+        batches = make_batches(cfg.data, tokenizer, seq_len=cfg.seq_len,
+                               batch_size=cfg.batch_size, seed=cfg.seed, data_dir=cfg.data_dir,
+                               text_field=cfg.text_field, cache_dir=str(out / DATA_CACHE))
+        if multihost.is_main():
+            record_run(out, cfg)
+        return batches
+    batches = multihost.main_first("data prepared", data)   # one preparation of a data cache
+
     model = load_model(cfg, tokenizer)
     model_cfg = model.config
-    mesh = make_mesh(cfg.mesh_shape)
-    check_shapes(cfg, mesh, model_cfg, tokenizer)
-    batches = make_batches(cfg.data, tokenizer, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                           seed=cfg.seed, data_dir=cfg.data_dir, text_field=cfg.text_field,
-                           cache_dir=str(out / DATA_CACHE))
-    record_run(out, cfg)
-
+    sequence_sharding = steps.sequence_sharding_for(mesh, model_cfg.attention.pattern)
+    model.sequence_sharding = sequence_sharding
     graphdef, model_state = nnx.split(model)
     apply = steps.model_apply(graphdef, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state))
     tx = steps.make_optimizer(cfg)
     init = functools.partial(steps.init_state, cfg=cfg, tx=tx)
     shardings = tree_shardings(jax.eval_shape(init, steps.params_of(model)), mesh)
-    state = jax.jit(init, out_shardings=shardings)(steps.params_of(model))
+    params = steps.params_of(model)
+    if jax.process_count() > 1:   # each process's copy (identical) enters as host data
+        params = jax.device_get(params)
+    state = jax.jit(init, out_shardings=shardings)(params)
+    del params
     del model
     batch_spec = batch_sharding(mesh).spec
     batch_sharding3 = NamedSharding(mesh, PartitionSpec(None, *batch_spec))
@@ -184,18 +219,21 @@ def run(cfg: TrainConfig) -> dict:
             data=ocp.args.JsonRestore()))
         state = steps.TrainState(**restored["state"])
         batches.set_state(restored["data"])
-        _metrics_continue(out / METRICS, start)
+        if multihost.is_main():
+            _metrics_continue(out / METRICS, start)
 
     flops = train_flops_per_sequence(model_cfg, cfg.seq_len, TRAINABLE[cfg.trainable])
     flops *= cfg.batch_size
     peak = peak_flops(jax.devices()[0].device_kind)
     losses = []
     schedule = steps.lr_schedule(cfg)
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
+               disable=not multihost.is_main())
     last = time.perf_counter()
-    with open(out / METRICS, "a") as log:
+    metrics_path = out / METRICS if multihost.is_main() else Path(os.devnull)
+    with open(metrics_path, "a") as log:
         for step in range(start, cfg.steps):
-            batch = _device_batch(next(batches), cfg, batch_sharding3)
+            batch = _device_batch(next(batches), cfg, batch_sharding3, sequence_sharding)
             state, metrics = train_step(state, batch)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -225,6 +263,7 @@ def run(cfg: TrainConfig) -> dict:
     manager.close()
     if cfg.save_every:
         _export(out, state, model_cfg, cfg)
+    multihost.barrier("run done")   # no process leaves while another still exports
     return {"losses": losses, "out": str(out)}
 
 

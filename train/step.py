@@ -4,6 +4,12 @@ Parameters are nested dicts split into a trainable and a frozen part, so frozen
 parameters get neither gradients nor optimizer state. The optimizer updates float32 copies of
 the trainable parameters' moments (AdamW moments are float32 whatever the parameter dtype)
 and rounds the result back to the parameter dtype.
+
+Sequence sharding: when the mesh splits the sequence and the attention has a bounded window
+(cca, sliding, streaming), the model runs with a zigzag `SequenceSharding`
+(`sequence_sharding_for`) and every batch is put in zigzag row order once (`in_row_order`):
+token ids, targets, positions, segment ids and the loss mask move together, so each row
+keeps its own target and mask, and the loss (a masked sum over rows) is unchanged.
 """
 
 from __future__ import annotations
@@ -12,10 +18,15 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
+from cca_jax.attention import AttentionPattern, SequenceSharding
+from cca_jax.attention.sequence_parallel import halo_rows, sequence_layout
 from cca_jax.model import LlamaForCausalLM
+from cca_jax.sharding import LOGICAL_RULES
 from train.config import TRAINABLE, TrainConfig
 
 Params = dict[tuple[str, ...], jax.Array]
@@ -95,6 +106,51 @@ def chunked_cross_entropy(hidden, weight, targets, mask, chunk: int):
         return jnp.sum(nll * msk)
 
     return jnp.sum(jax.lax.map(one, xs)), jnp.sum(mask)
+
+
+BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def sequence_sharding_for(mesh: Mesh, pattern: AttentionPattern) -> SequenceSharding | None:
+    """The zigzag sequence sharding the model runs with on `mesh`, or None where attention
+    stays on the plain path (a sequence axis of 1, or full attention: XLA gathers K/V)."""
+    sharding = SequenceSharding(mesh, LOGICAL_RULES["seq"], "zigzag")
+    return sharding if sharding.splits(pattern) else None
+
+
+def check_sequence_split(mesh: Mesh, pattern: AttentionPattern, seq_len: int) -> None:
+    """ValueError, naming the fix, where `seq_len` cannot be split over the mesh's sequence
+    axis (rows a multiple of the shards, or of 2 x shards for zigzag; window plus group within
+    one chunk)."""
+    shards = mesh.shape[LOGICAL_RULES["seq"]]
+    sharding = sequence_sharding_for(mesh, pattern)
+    if sharding is None:
+        if seq_len % shards:
+            raise ValueError(f"--seq-len {seq_len} is not a multiple of the mesh's sequence "
+                             f"axis ({shards}); use a multiple of {shards} or change --mesh.")
+        return
+    chunks = 2 * shards
+    what = (f"attention={pattern.kind!r} on --mesh sequence={shards} (zigzag: {chunks} "
+            "chunks a row)")
+    if seq_len % chunks:
+        raise ValueError(f"--seq-len {seq_len} must be a multiple of {chunks} for {what}; use "
+                         f"--seq-len {-(-seq_len // chunks) * chunks}, or change --mesh.")
+    halo, chunk = halo_rows(pattern, seq_len, packed=True), seq_len // chunks
+    if halo > chunk:
+        raise ValueError(
+            f"--seq-len {seq_len} gives chunks of {chunk} tokens for {what}, but each chunk "
+            f"needs the previous {halo} keys (the window plus group) from one neighbour: use "
+            f"--seq-len >= {halo * chunks}, fewer sequence shards in --mesh, or a smaller "
+            "--window-size / --group-size.")
+    sequence_layout(pattern, seq_len, shards, zigzag=True, packed=True)   # anything else
+
+
+def in_row_order(batch: dict, sharding: SequenceSharding | None) -> dict:
+    """The batch with its last (sequence) axis in the model's row layout, all keys alike."""
+    if sharding is None:
+        return batch
+    order = sharding.row_order(np.shape(batch["input_ids"])[-1])
+    return {k: np.asarray(x)[..., order] if k in BATCH_KEYS else x for k, x in batch.items()}
 
 
 def loss_fn(model: LlamaForCausalLM, batch: dict, chunk: int):

@@ -11,24 +11,33 @@ in the input dtype. Implementations (`IMPLEMENTATIONS`, the one registry of thei
   pallas_tpu  Pallas kernels through Mosaic (the TPU interpreter on CPU), every option
 "auto" picks, per call, the fastest one that takes the call (`resolve_implementation`); it
 never picks `naive`, so no L x L array is built unless asked for.
+
+Sequence sharding: `run_attention(..., sequence_sharding=SequenceSharding(mesh, "sequence",
+layout))` runs cca, sliding and streaming through `sequence_parallel` (each shard's chunks on
+xla's blocked attention, halos by ppermute, slots all-gathered; the implementation argument
+is not used there) when the axis has more than one device. `full` stays on the plain path:
+under `jit` XLA then all-gathers K/V along the sequence (no ring attention here).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cca_jax.attention.naive import attention_naive, cca_attention_naive
 from cca_jax.attention.pooling import POOLING_FNS, pool_core_tokens, slots_and_bounds
+from cca_jax.attention.sequence_parallel import SequenceSharding, sequence_sharded_attention
 from cca_jax.attention.xla import attention_xla, cca_attention_xla
 from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, cca_pattern
 
 __all__ = ["run_attention", "cca_attention", "attention_naive", "attention_xla",
            "cca_attention_naive", "cca_attention_xla", "pool_core_tokens",
-           "resolve_implementation", "IMPLEMENTATIONS", "AttentionPattern"]
+           "resolve_implementation", "IMPLEMENTATIONS", "AttentionPattern", "SequenceSharding"]
 
 _log = logging.getLogger(__name__)
 
@@ -164,20 +173,26 @@ def _check_inputs(q, k, v, segment_ids) -> None:
 
 def run_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: AttentionPattern, *,
                   pooling: str = "cca", implementation: str = "auto",
-                  segment_ids: jax.Array | None = None) -> jax.Array:
+                  segment_ids: jax.Array | None = None,
+                  sequence_sharding: SequenceSharding | None = None) -> jax.Array:
     """Causal attention under `pattern` (full, sliding, streaming or cca; see `blocks`).
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]`, RoPE already applied; `Hq` a multiple of
     `Hkv`. segment_ids: optional `[B, L]` ints; each maximal run of equal ids is one document
     (packed rows): queries see only their own document, and windows, sinks and groups count
-    from its start. pooling (cca only): "cca", "mean" or "max". Returns `[B, L, Hq, D]` in
-    the dtype of q.
+    from its start. pooling (cca only): "cca", "mean" or "max". sequence_sharding: the rows
+    are split over a mesh axis (module docstring); with its layout "zigzag", q, k, v,
+    segment_ids and the output are in that row order. Returns `[B, L, Hq, D]` in the dtype
+    of q.
     """
     _check_inputs(q, k, v, segment_ids)
     if not isinstance(pattern, AttentionPattern):
         raise ValueError(f"pattern must be a blocks.AttentionPattern, got {pattern!r}.")
     if pooling not in POOLING_FNS:
         raise ValueError(f"pooling must be one of {sorted(POOLING_FNS)}, got {pooling!r}.")
+    if sequence_sharding is not None:
+        return _run_sequence_sharded(q, k, v, pattern, pooling, implementation, segment_ids,
+                                     sequence_sharding)
     name = resolve_implementation(implementation, pattern=pattern, head_dim=q.shape[-1],
                                   dtype=q.dtype, packed=segment_ids is not None)
     if implementation == "auto":
@@ -185,6 +200,24 @@ def run_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: AttentionPa
                   name)
     return IMPLEMENTATIONS[name].run(q, k, v, pattern, pooling=pooling,
                                      segment_ids=segment_ids)
+
+
+def _run_sequence_sharded(q, k, v, pattern, pooling, implementation, segment_ids,
+                          sharding: SequenceSharding):
+    """Halos and slots where the pattern allows; else the plain path in natural row order."""
+    if sharding.splits(pattern):
+        return sequence_sharded_attention(q, k, v, pattern, mesh=sharding.mesh,
+                                          axis=sharding.axis, segment_ids=segment_ids,
+                                          pooling=pooling, zigzag=True, layout=sharding.layout)
+    plain = functools.partial(run_attention, pattern=pattern, pooling=pooling,
+                              implementation=implementation)
+    if sharding.layout == "natural" or sharding.shards == 1:   # rows already in natural order
+        return plain(q, k, v, segment_ids=segment_ids)
+    order = sharding.row_order(q.shape[1])
+    natural = jnp.asarray(np.argsort(order))
+    q, k, v = (x[:, natural] for x in (q, k, v))
+    segment_ids = None if segment_ids is None else segment_ids[:, natural]
+    return plain(q, k, v, segment_ids=segment_ids)[:, jnp.asarray(order)]
 
 
 def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,

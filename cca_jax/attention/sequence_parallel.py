@@ -47,10 +47,16 @@ Layout (`zigzag`):
 
 `full` attention is refused: its raw window is unbounded (ring attention's job). Under `jit`,
 `run_attention` on sequence-sharded arrays is correct for it (XLA all-gathers K/V).
+
+`SequenceSharding(mesh, axis, layout)` is how a model asks for this: `run_attention(...,
+sequence_sharding=...)` takes this path where `SequenceSharding.splits(pattern)` (the axis has
+more than one device and the raw window is bounded) and the plain one otherwise (rows put
+back in natural order first when the layout is zigzag).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -66,7 +72,7 @@ from cca_jax.blocks import AttentionPattern, pattern_ranges
 from cca_jax.sharding import LOGICAL_RULES
 
 __all__ = ["sequence_sharded_attention", "zigzag_permutation", "sequence_layout",
-           "SequenceLayout"]
+           "SequenceLayout", "SequenceSharding", "has_bounded_window", "halo_rows"]
 
 LAYOUTS = ("natural", "zigzag")
 
@@ -92,16 +98,68 @@ def zigzag_permutation(length: int, shards: int) -> np.ndarray:
     return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in order])
 
 
+def has_bounded_window(pattern: AttentionPattern) -> bool:
+    """Whether a query far into a document sees fewer raw keys than its whole prefix (cca,
+    sliding, streaming: yes; full: no). Only these can run sequence-sharded with halos."""
+    far = np.asarray([1 << 40], np.int64)
+    return bool(pattern.raw_start(far)[0] > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSharding:
+    """Activations split along the sequence over mesh axis `axis` (hashable, static).
+
+    layout: "natural" (rows in sequence order) or "zigzag" (rows in `zigzag_permutation(L,
+    shards)` order: the caller permuted token ids, positions, segment ids and labels once, and
+    attention moves no rows but halos and slots).
+    """
+
+    mesh: Mesh
+    axis: str = "sequence"
+    layout: str = "natural"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
+        if self.axis not in self.mesh.shape:
+            raise ValueError(f"axis {self.axis!r} is not an axis of the mesh (axes: "
+                             f"{tuple(self.mesh.axis_names)}).")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
+
+    @property
+    def shards(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def splits(self, pattern: AttentionPattern) -> bool:
+        """Whether `pattern` runs sharded (halos and slots) rather than on the plain path."""
+        return self.shards > 1 and has_bounded_window(pattern)
+
+    def row_order(self, length: int) -> np.ndarray:
+        """Natural position of each row of this layout (`np.arange` when natural)."""
+        if self.layout == "zigzag":
+            return zigzag_permutation(length, self.shards)
+        return np.arange(length)
+
+
 def _widest_window(pattern: AttentionPattern, length: int) -> int:
     """The most raw keys one query sees: `max(t - raw_start(t) + 1)` over `t < length`."""
     t = np.arange(length, dtype=np.int64)
     return int(np.max(t - pattern.raw_start(t) + 1))
 
 
+def halo_rows(pattern: AttentionPattern, length: int, *, packed: bool = False) -> int:
+    """Raw k/v rows a chunk needs from the chunk before it: the widest raw window less one,
+    and a slot's tokens before its last one (cca: s + g - 2 once a group is pooled)."""
+    size = pattern.slot_size
+    pooled = pattern.max_slots(length, packed=packed) > 0
+    return max(_widest_window(pattern, length) - 1, size - 1 if pooled else 0)
+
+
 def sequence_layout(pattern: AttentionPattern, length: int, shards: int, *,
                     zigzag: bool = True, packed: bool = False) -> SequenceLayout:
     """Chunk, halo and slot sizes; ValueError where the sequence cannot be split this way."""
-    if pattern.kind == "full":
+    if not has_bounded_window(pattern):
         raise ValueError(
             "sequence_sharded_attention takes options with a bounded raw window (cca, "
             "sliding, streaming); attention='full' sees the whole prefix, which needs ring "
@@ -116,7 +174,7 @@ def sequence_layout(pattern: AttentionPattern, length: int, shards: int, *,
     chunk = length // chunks
     size = pattern.slot_size
     m = pattern.max_slots(length, packed=packed)
-    halo = max(_widest_window(pattern, length) - 1, size - 1 if m else 0)
+    halo = halo_rows(pattern, length, packed=packed)
     if halo > chunk:
         raise ValueError(
             f"attention={pattern.kind!r} (window {pattern.window_size}"
