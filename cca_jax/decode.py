@@ -68,8 +68,28 @@ def _layer(x, i):
 
 
 def _scatter(x, i, rows, index, update):
-    """`x[i, rows, index] = update`; out-of-range indices (the size of the axis) drop."""
-    return x.at[i, rows, index].set(update.astype(x.dtype), mode="drop")
+    """`x[i, rows, index] = update`; out-of-range indices (the size of the axis) drop.
+
+    The write goes to layer `i`'s slice, which then replaces that layer in `x` with one
+    `dynamic_update_slice`: XLA updates a loop-carried buffer in place that way (a scatter
+    into the whole stacked cache made it copy the cache, 2x its memory, on every call).
+    """
+    layer = _layer(x, i).at[rows, index].set(update.astype(x.dtype), mode="drop")
+    return jax.lax.dynamic_update_index_in_dim(x, layer, i, 0)
+
+
+def _set_entry(x, i, index, update, keep):
+    """`x[i, b, index[b]] = update[b]` for the rows `b` with `keep[b]` (index in range).
+
+    One in-place `dynamic_update_slice` per row, of one entry: what a decode step writes
+    (a ring entry, a slot), without touching the rest of the layer.
+    """
+    for b in range(x.shape[1]):
+        at = (i, b, index[b]) + (0,) * (x.ndim - 3)
+        old = jax.lax.dynamic_slice(x, at, (1, 1, 1, *x.shape[3:]))
+        new = jnp.where(keep[b], update[b].astype(x.dtype).reshape(old.shape), old)
+        x = jax.lax.dynamic_update_slice(x, new, at)
+    return x
 
 
 def _run_layers(model, cache: KVCache, x, cos, sin, attend):
@@ -335,18 +355,18 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None):
     b = tokens.shape[0]
     active = jnp.ones((b,), bool) if active is None else active
     p = cache.lengths
-    rows = jnp.arange(b)[:, None]
-    write = jnp.where(active, p % ring, ring)[:, None]
+    write = p % ring
     raw_visible = blocks.cache_raw_visible(pat, p, ring)
     slot_visible = blocks.cache_slot_visible(pat, p, num_slots)
     if num_slots:
         c = blocks.completed_slot(pat, p)
-        slot = jnp.where(active & (c >= 0) & (c < num_slots), c, num_slots)[:, None]
+        pooled = active & (c >= 0) & (c < num_slots)
+        slot = jnp.clip(c, 0, num_slots - 1)
         members = (p[:, None] - size + 1 + jnp.arange(size)) % ring
 
     def attend(i, q, k, v, cache):
-        k_all = _scatter(cache.k, i, rows, write, k)
-        v_all = _scatter(cache.v, i, rows, write, v)
+        k_all = _set_entry(cache.k, i, write, k[:, 0], active)
+        v_all = _set_entry(cache.v, i, write, v[:, 0], active)
         k_ring, v_ring = _layer(k_all, i), _layer(v_all, i)
         q = q.astype(k_ring.dtype)
         ck, cv = cache.ck, cache.cv
@@ -356,7 +376,8 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None):
             q_group = jnp.concatenate([jnp.zeros((b, size - 1, *q.shape[2:]), q.dtype), q], 1)
             new_ck, new_cv = pool_core_tokens(q_group, k_members, v_members, group_size=size,
                                               num_groups=1, pooling=cfg.attention.pooling)
-            ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
+            ck = _set_entry(ck, i, slot, new_ck[:, 0], pooled)
+            cv = _set_entry(cv, i, slot, new_cv[:, 0], pooled)
         out = cached_attention(q[:, 0], k_ring, v_ring, _layer(ck, i), _layer(cv, i),
                                raw_visible, slot_visible)
         return out[:, None], cache.replace(k=k_all, v=v_all, ck=ck, cv=cv)
