@@ -167,3 +167,23 @@ def test_cca_training_step_at_32k_is_memory_linear():
     value, grads = step(params, ids(1, 32769, vocab=256))
     assert np.isfinite(float(value)) and abs(float(value) - np.log(256)) < 0.5
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+@pytest.mark.parametrize("attention", ["full", pytest.param("cca", marks=pytest.mark.slow)])
+def test_zigzag_sequence_sharding_keeps_logits(attention):
+    """`model.sequence_sharding` with the zigzag layout on a sequence axis of 2: inputs and
+    logits are in zigzag row order, positions default to it, and the logits are the
+    unsharded model's. cca runs the halo path; full (unbounded window) the plain path with
+    rows put back in natural order around it."""
+    from cca_jax.attention import SequenceSharding
+    from cca_jax.sharding import make_mesh
+
+    model = build(TINY.replace(attention=attention))
+    x = ids()
+    want = np.asarray(model(x))
+    mesh = make_mesh({"sequence": 2}, devices=jax.devices()[:2])
+    model.sequence_sharding = SequenceSharding(mesh, "sequence", "zigzag")
+    order = model.sequence_sharding.row_order(x.shape[1])
+    got = jax.jit(lambda m, x: m(x))(model, x[:, order])
+    np.testing.assert_allclose(np.asarray(got), want[:, order], atol=2e-5, rtol=1e-5)
