@@ -76,7 +76,8 @@ def bench_ours(kind: str, args) -> list[dict]:
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
-    from cca_jax.decode import decode_step, offset_implementation, prefill
+    from cca_jax.decode import (decode_implementation, decode_step, offset_implementation,
+                                prefill)
     from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
     from cca_jax.model import LlamaForCausalLM
 
@@ -88,6 +89,7 @@ def bench_ours(kind: str, args) -> list[dict]:
                                      window_size=p.window_size, sink_tokens=p.sink_tokens))
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     model_state = nnx.split(model)
+    decode_impl = args.decode_impl or decode_implementation(cfg)
     rng = np.random.default_rng(0)
     records = []
     for context in contexts:
@@ -104,7 +106,7 @@ def bench_ours(kind: str, args) -> list[dict]:
             return cache, token, time.perf_counter() - start
 
         rec = dict(impl=kind, context=context, batch=args.batch, chunk=chunk,
-                   offset_impl=offset_implementation(cfg))
+                   offset_impl=offset_implementation(cfg), decode_impl=decode_impl)
         if args.no_prefill:
             cache = init_cache(cfg, args.batch, max_len)
             cache = cache.replace(lengths=jnp.full((args.batch,), context, jnp.int32))
@@ -134,7 +136,8 @@ def bench_ours(kind: str, args) -> list[dict]:
         times = []
         for _ in range(args.decode_tokens):
             start = time.perf_counter()
-            logits, cache = decode_step(model_state, cache, token, None)
+            logits, cache = decode_step(model_state, cache, token, None,
+                                        implementation=decode_impl)
             token = jnp.argmax(logits, -1).astype(jnp.int32)
             token.block_until_ready()
             times.append((time.perf_counter() - start) * 1e3)
@@ -246,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--prefill-runs", type=int, default=2,
                     help="1: the TTFT includes compilation; 2: a second, warm run")
+    ap.add_argument("--decode-impl", default=None,
+                    help="decode attention: xla, pallas_gpu (default: decode_implementation)")
     ap.add_argument("--check-chunk", type=int, default=0,
                     help="also prefill in chunks of this size and compare the logits")
     ap.add_argument("--no-prefill", action="store_true",

@@ -23,6 +23,7 @@ softmax over the ring (`blocks.cache_raw_visible`) and the slots (`blocks.cache_
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import jax
@@ -149,7 +150,13 @@ def _blocked_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
 
 # Implementations that take per-row bounds of any shape: what a chunk at an offset needs
 # (its keys are the ring plus itself, not a row from position 0).
-OFFSET_IMPLEMENTATIONS = {"xla": _blocked_xla, "pallas_gpu": _blocked_pallas_gpu}
+def _blocked_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
+    from pallas_kernels.tpu import blocked_attention_pallas_tpu
+    return blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
+
+
+OFFSET_IMPLEMENTATIONS = {"xla": _blocked_xla, "pallas_gpu": _blocked_pallas_gpu,
+                          "pallas_tpu": _blocked_pallas_tpu}
 
 
 def offset_implementation(cfg: LlamaConfig) -> str:
@@ -345,19 +352,55 @@ def cached_attention(q, k_ring, v_ring, ck, cv, raw_visible, slot_visible):
     return (out / denom[..., None]).reshape(b, hq, d)
 
 
-def _decode_step(model_state, cache: KVCache, tokens, active=None):
+def _decode_xla(q, k_all, v_all, ck, cv, i, pat, p):
+    ring, num_slots = k_all.shape[2], ck.shape[2]
+    return cached_attention(q, _layer(k_all, i), _layer(v_all, i), _layer(ck, i), _layer(cv, i),
+                            blocks.cache_raw_visible(pat, p, ring),
+                            blocks.cache_slot_visible(pat, p, num_slots))
+
+
+def _decode_pallas(kernel_name):
+    def run(q, k_all, v_all, ck, cv, i, pat, p):
+        kernels = importlib.import_module(f"pallas_kernels.{kernel_name}")  # lazy: they import us
+        bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
+        decode = getattr(kernels, f"decode_attention_pallas_{kernel_name}")
+        return decode(q, k_all, v_all, ck, cv, bounds, layer=i)
+    return run
+
+
+# Decode attention of one query per row against the stacked cache: the XLA form (masks over
+# one layer's ring and slots) and the Pallas kernels (per-row bounds, layer read in place).
+DECODE_IMPLEMENTATIONS = {"xla": _decode_xla, "pallas_gpu": _decode_pallas("gpu"),
+                          "pallas_tpu": _decode_pallas("tpu")}
+_KERNEL_DECODE_HEAD_DIMS = (64, 128, 256)
+
+
+def decode_implementation(cfg: LlamaConfig) -> str:
+    """What a decode step runs: the Pallas kernel of the backend the prefill's chunks use
+    (`offset_implementation`), for head dims it takes; else the XLA form."""
+    name = offset_implementation(cfg)
+    if name in DECODE_IMPLEMENTATIONS and cfg.head_dim in _KERNEL_DECODE_HEAD_DIMS:
+        return name
+    return "xla"
+
+
+def _decode_step(model_state, cache: KVCache, tokens, active=None, implementation=None):
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
     _check_cache(cfg, cache)
+    implementation = implementation or decode_implementation(cfg)
+    if implementation not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"decode implementation must be one of "
+                         f"{sorted(DECODE_IMPLEMENTATIONS)}, got {implementation!r}.")
+    attention = DECODE_IMPLEMENTATIONS[implementation]
     pat = cache.pattern
     ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
     b = tokens.shape[0]
     active = jnp.ones((b,), bool) if active is None else active
     p = cache.lengths
     write = p % ring
-    raw_visible = blocks.cache_raw_visible(pat, p, ring)
-    slot_visible = blocks.cache_slot_visible(pat, p, num_slots)
+    rows = jnp.arange(b)[:, None]
     if num_slots:
         c = blocks.completed_slot(pat, p)
         pooled = active & (c >= 0) & (c < num_slots)
@@ -367,19 +410,16 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None):
     def attend(i, q, k, v, cache):
         k_all = _set_entry(cache.k, i, write, k[:, 0], active)
         v_all = _set_entry(cache.v, i, write, v[:, 0], active)
-        k_ring, v_ring = _layer(k_all, i), _layer(v_all, i)
-        q = q.astype(k_ring.dtype)
+        q = q.astype(k_all.dtype)
         ck, cv = cache.ck, cache.cv
         if num_slots:
-            k_members = jnp.take_along_axis(k_ring, members[:, :, None, None], axis=1)
-            v_members = jnp.take_along_axis(v_ring, members[:, :, None, None], axis=1)
+            k_members, v_members = k_all[i, rows, members], v_all[i, rows, members]
             q_group = jnp.concatenate([jnp.zeros((b, size - 1, *q.shape[2:]), q.dtype), q], 1)
             new_ck, new_cv = pool_core_tokens(q_group, k_members, v_members, group_size=size,
                                               num_groups=1, pooling=cfg.attention.pooling)
             ck = _set_entry(ck, i, slot, new_ck[:, 0], pooled)
             cv = _set_entry(cv, i, slot, new_cv[:, 0], pooled)
-        out = cached_attention(q[:, 0], k_ring, v_ring, _layer(ck, i), _layer(cv, i),
-                               raw_visible, slot_visible)
+        out = attention(q[:, 0], k_all, v_all, ck, cv, i, pat, p)
         return out[:, None], cache.replace(k=k_all, v=v_all, ck=ck, cv=cv)
 
     cos, sin = rope_cos_sin(p[:, None], cfg)
@@ -389,9 +429,11 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None):
     return model.logits(hidden[:, 0]), cache
 
 
-decode_step = jax.jit(_decode_step, donate_argnames=("cache",))
+decode_step = jax.jit(_decode_step, donate_argnames=("cache",),
+                      static_argnames=("implementation",))
 decode_step.__doc__ = """One token per row through the cache, jitted once, reused for every token:
 `decode_step(model_state, cache, tokens [B], active [B] bool | None) -> (logits [B, V], cache)`.
+`implementation`: a `DECODE_IMPLEMENTATIONS` name (default `decode_implementation(config)`).
 
 `model_state = nnx.split(model)`. Row `b`'s token sits at position `cache.lengths[b]`; rows
 with `active[b]` False (finished sequences) write nothing and keep their length (their

@@ -414,3 +414,28 @@ def test_chunked_prefill_through_pallas_gpu_kernels():
     want, _ = prefill(xla_model, init_cache(xla_model.config, 2, MAX_LEN), ids, lengths,
                       chunk_size=8)
     assert_caches_equal(cache, want)
+
+
+@pytest.mark.parametrize("name", ["cca", pytest.param("streaming", marks=pytest.mark.slow)])
+def test_decode_step_through_pallas_gpu_kernel(name):
+    """decode_step with the Pallas GPU decode kernel (interpret mode here; the stacked cache
+    read in place at the scan's layer) gives the XLA step's logits and cache, token by
+    token past group and window boundaries, rows at different positions."""
+    cfg = TINY.replace(head_dim=16, **OPTIONS[name])
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p * WEIGHT_SCALE if p.ndim > 1 else p, params))
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    model_state = nnx.split(model)
+    caches = {}
+    for impl in ("xla", "pallas_gpu"):
+        cache, _ = prefill(model, init_cache(cfg, 2, MAX_LEN), ids[:, :8], [3, 8],
+                           chunk_size=8)
+        logits = []
+        for step in range(8):
+            out, cache = decode_step(model_state, cache, jnp.asarray(ids[:, 8 + step]),
+                                     None, implementation=impl)
+            logits.append(np.asarray(out))
+        caches[impl] = (cache, np.stack(logits))
+    np.testing.assert_allclose(caches["pallas_gpu"][1], caches["xla"][1], atol=LOGIT_TOL)
+    assert_caches_equal(caches["pallas_gpu"][0], caches["xla"][0])
