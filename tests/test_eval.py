@@ -241,7 +241,7 @@ def test_cli_ppl_json_table_and_plot(ckpt, model, tokenizer, tmp_path, capsys):
     assert "| cca g=4 s=8 | 128 |" in stdout and (tmp_path / "ppl.png").stat().st_size > 1000
 
 
-def test_cli_passkey_and_mdqa_end_to_end(ckpt, tmp_path, capsys):
+def test_cli_passkey_end_to_end(ckpt, tmp_path, capsys):
     out = tmp_path / "pk.json"
     code, stdout, err = run_cli(["passkey", "--ckpt", ckpt, "--lengths", "200", "--depths",
                                  "0,1", "--samples", 1, "--batch-size", 2, "--json", out,
@@ -253,6 +253,10 @@ def test_cli_passkey_and_mdqa_end_to_end(ckpt, tmp_path, capsys):
     assert [(c["length"], c["depth"]) for c in record["by_length_depth"]] == [
         (200, 0.0), (200, 1.0)]
     assert "| depth \\ length | 200 |" in stdout and (tmp_path / "pk.png").exists()
+
+
+@pytest.mark.slow
+def test_cli_mdqa_end_to_end(ckpt, tmp_path, capsys):
     if not NQ_ORACLE.exists():
         pytest.skip(f"{NQ_ORACLE} not found")
     out = tmp_path / "mdqa.json"
