@@ -64,6 +64,8 @@ def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0):
 
 def _check(pattern, max_len, hq, hkv, tiling, positions, dtype=jnp.float32, tol=2e-5,
            seed=0):
+    if jax.default_backend() == "gpu" and dtype == jnp.float32:
+        tol = max(tol, 5e-3)   # float32 dots run as TF32 on the GPU (kernel and reference)
     for i, batch in enumerate(positions):
         args, bounds, ref = _inputs(pattern, max_len, batch, hq, hkv, dtype, seed + i)
         out = decode_attention_pallas_gpu(*args, bounds, **tiling)
