@@ -52,10 +52,10 @@ ATTENTION = {
 }
 
 
-def model_config(kind: str) -> LlamaConfig:
+def model_config(kind: str, remat: str = "none") -> LlamaConfig:
     return LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=80, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=2, dtype="float32",
-                       param_dtype="float32", max_position_embeddings=SEQ,
+                       param_dtype="float32", max_position_embeddings=SEQ, remat=remat,
                        attention=dict(ATTENTION[kind], implementation="xla"))
 
 
@@ -83,13 +83,17 @@ def _mesh(shape):
     return make_mesh(shape)
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_step(kind: str, mesh_items: tuple | None):
+def compiled_step(kind: str, mesh_items: tuple | None, remat: str = "none"):
     """(compiled grads program, its (loss, count, grads) on `packed_batch()`), as the trainer
-    builds them for this mesh."""
+    builds them for this mesh (remat changes no result: tests/test_model.py). Cached."""
+    return _compiled_step(kind, mesh_items, remat)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step(kind: str, mesh_items: tuple | None, remat: str):
     mesh = _mesh(None if mesh_items is None else dict(mesh_items))
     cfg = TrainConfig(out="unused", preset="tiny", seq_len=SEQ)
-    model = LlamaForCausalLM(model_config(kind), rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(model_config(kind, remat), rngs=nnx.Rngs(0))
     sequence = steps.sequence_sharding_for(mesh, model.config.attention.pattern)
     model.sequence_sharding = sequence
     graphdef, model_state = nnx.split(model)
@@ -127,18 +131,18 @@ LOSS_RTOL, GRAD_ATOL, GRAD_RTOL = 2e-6, 2e-7, 1e-4
 
 
 @needs_8
-@pytest.mark.parametrize("kind,mesh", [
-    ("cca", "data2-fsdp2-tensor2"),     # no sequence split: FSDP + tensor + data
-    ("cca", "fsdp2-seq4"),              # sequence=4, zigzag, halos + gathered core tokens
-    ("cca", "data2-fsdp2-seq2"),        # sequence=2
-    ("streaming", "data2-seq4"),        # sinks as slots + halo
-    pytest.param("sliding", "tensor2-seq4", marks=pytest.mark.slow),   # heads over tensor
-    pytest.param("sliding", "seq8", marks=pytest.mark.slow),           # chunks of 6 rows
-    pytest.param("full", "fsdp2-seq4", marks=pytest.mark.slow),        # plain path, XLA
+@pytest.mark.parametrize("kind,mesh,remat", [
+    ("cca", "data2-fsdp2-tensor2", "none"),     # no sequence split: FSDP + tensor + data
+    ("cca", "fsdp2-seq4", "none"),              # sequence=4, zigzag, halos + core tokens
+    ("cca", "data2-fsdp2-seq2", "full"),        # sequence=2, shard_map under jax.checkpoint
+    ("streaming", "data2-seq4", "none"),        # sinks as slots + halo
+    pytest.param("sliding", "tensor2-seq4", "none", marks=pytest.mark.slow),  # heads split
+    pytest.param("sliding", "seq8", "none", marks=pytest.mark.slow),     # chunks of 6 rows
+    pytest.param("full", "fsdp2-seq4", "none", marks=pytest.mark.slow),  # plain path, XLA
 ])
-def test_sharded_step_equals_single_device(kind, mesh):
+def test_sharded_step_equals_single_device(kind, mesh, remat):
     _, (loss1, count1, grads1) = compiled_step(kind, None)
-    _, (loss, count, grads) = compiled_step(kind, _items(mesh))
+    _, (loss, count, grads) = compiled_step(kind, _items(mesh), remat)
     assert count == count1
     np.testing.assert_allclose(loss, loss1, rtol=LOSS_RTOL)
     flat1 = steps.flatten(grads1)
