@@ -6,13 +6,15 @@
 
 One frozen `TrainConfig` (train/config.py) holds the run; a TOML file (`--config`) and flags
 set it. The model and optimizer state are sharded over a mesh of every visible device by
-`cca_jax.sharding`'s table; the step is one `jit` with NamedShardings. Progress shows in a
-tqdm bar and goes, one JSON object per logged step, to OUT/metrics.jsonl. Orbax saves
-asynchronously every `--save-every` steps into OUT/checkpoints, keeping the last `--keep`;
-rerunning the same command with a larger `--steps` resumes (parameters, optimizer state,
-step, data position) and metrics.jsonl continues. The end of the run exports OUT/final
-(our format) and OUT/hf (Hugging Face, through convert.flax_to_hf); `--save-every 0` (for
-benchmarks) saves and exports nothing.
+`cca_jax.sharding`'s table; the step is one `jit` with NamedShardings. With a `sequence`
+axis > 1, cca / sliding / streaming run sequence-sharded in the zigzag layout (train/step.py);
+several processes start with `--coordinator HOST:PORT --num-processes N --process-id I`
+(train/multihost.py). Progress shows in a tqdm bar and goes, one JSON object per logged
+step, to OUT/metrics.jsonl. Orbax saves asynchronously every `--save-every` steps into
+OUT/checkpoints, keeping the last `--keep`; rerunning the same command with a larger
+`--steps` resumes (parameters, optimizer state, step, data position) and metrics.jsonl
+continues. The end of the run exports OUT/final (our format) and OUT/hf (Hugging Face,
+through convert.flax_to_hf); `--save-every 0` (for benchmarks) saves and exports nothing.
 """
 
 from __future__ import annotations
