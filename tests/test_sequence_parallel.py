@@ -263,3 +263,24 @@ def test_bad_arrays():
                                    segment_ids=jnp.zeros((B, L - 1), jnp.int32))
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         sequence_sharded_attention(q[:, :, :3], k, v, PATTERNS["cca"], mesh=_mesh("seq4"))
+
+
+def test_sequence_sharding_splits_bounded_windows_only():
+    """`SequenceSharding.splits`: cca, sliding and streaming on an axis of more than one
+    device; never full (unbounded window) nor an axis of one; bad axes/layouts refused."""
+    from cca_jax.attention import SequenceSharding
+    from cca_jax.attention.sequence_parallel import has_bounded_window
+
+    sharded = SequenceSharding(_mesh("seq4"), "sequence", "zigzag")
+    for name, pattern in PATTERNS.items():
+        assert has_bounded_window(pattern) and sharded.splits(pattern), name
+    assert not has_bounded_window(AttentionPattern("full"))
+    assert not sharded.splits(AttentionPattern("full"))
+    single = SequenceSharding(make_mesh({}, devices=jax.devices()[:1]))
+    assert not single.splits(PATTERNS["cca"])
+    np.testing.assert_array_equal(sharded.row_order(L), zigzag_permutation(L, 4))
+    np.testing.assert_array_equal(SequenceSharding(_mesh("seq4")).row_order(L), np.arange(L))
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        SequenceSharding(_mesh("seq4"), "seq")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        SequenceSharding(_mesh("seq4"), layout="striped")
