@@ -93,11 +93,15 @@ def _set_entry(x, i, index, update, keep):
     return x
 
 
-def _run_layers(model, cache: KVCache, x, cos, sin, attend):
+def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = False):
     """The model's decoder stack on `x` `[B, n, hidden]` with `attend` as the attention core.
 
     attend(i, q, k, v, cache) -> (out `[B, n, Hq, D]`, cache), with q `[B, n, Hq, D]` and k, v
     `[B, n, Hkv, D]` of layer `i`, RoPE applied. Returns the final normed hidden states.
+    `unroll`: a Python loop with static layer indices instead of one `lax.scan` (what a decode
+    step needs: XLA streams static slices of the stacked weights at 3.4 TB/s on the H200, but
+    copies the scan's dynamic slices first, 1.2 TB/s; benchmarks/research/
+    decode_weights_probe.py). The scan compiles faster, and prefill is compute-bound.
     """
     cfg = model.config
     graphdef, stacked = nnx.split(model.layers)
@@ -118,8 +122,14 @@ def _run_layers(model, cache: KVCache, x, cos, sin, attend):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return (x, cache), None
 
-    layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, stacked))
+    if unroll:
+        carry = (x, cache)
+        for i in range(cfg.num_hidden_layers):
+            carry, _ = body(carry, (i, jax.tree.map(lambda p, i=i: p[i], stacked)))
+        x, cache = carry
+    else:
+        layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, stacked))
     return model.norm(x), cache
 
 
@@ -424,7 +434,7 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None, implementatio
 
     cos, sin = rope_cos_sin(p[:, None], cfg)
     x = model.embed_tokens(tokens[:, None])
-    hidden, cache = _run_layers(model, cache, x, cos, sin, attend)
+    hidden, cache = _run_layers(model, cache, x, cos, sin, attend, unroll=True)
     cache = cache.replace(lengths=p + active.astype(p.dtype))
     return model.logits(hidden[:, 0]), cache
 
