@@ -29,9 +29,11 @@ STRICT = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                uninitialized_memory="nan")
 # Small tiles so that every walk has several blocks (TPU blocks are multiples of 128).
 TILES = dict(block_q=128, block_k=128, block_c=128)
-# Max abs error against naive (float32 dense), measured in the interpreter (jax 0.10.2,
-# standard normal inputs and a cosine cotangent), times a margin of about 4.
-TOLERANCES = {"float32": dict(out=4e-6, grad=1.2e-5), "bfloat16": dict(out=3e-2, grad=8e-2)}
+# Max error against naive in float32 on the same inputs (relative to the largest reference
+# value where that is over 1), measured in the interpreter (jax 0.10.2, standard normal
+# inputs, a cosine cotangent), times about 4: float32 outputs 1.5e-6, grads 3e-6; bf16
+# inputs outputs 1.9e-3, grads 6.9e-3 (P and the outputs rounded to bf16).
+TOLERANCES = {"float32": dict(out=6e-6, grad=1.2e-5), "bfloat16": dict(out=8e-3, grad=3e-2)}
 
 
 @pytest.fixture(autouse=True)
@@ -65,24 +67,30 @@ def _loss_and_out(attend):
     return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
 
 
+def _max_error(got, want):
+    """Max abs error, relative to the reference's largest magnitude when that is over 1."""
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(1.0, jnp.max(jnp.abs(want))))
+
+
 def check_against_naive(pattern, q, k, v, segment_ids=None, pooling="cca", grads=True):
-    """Outputs (and gradients) of the kernels against naive; returns the max errors."""
+    """Outputs (and gradients) of the kernels against naive run in float32 on the same
+    inputs; returns the max errors (relative to the largest reference value when over 1)."""
     tpu = functools.partial(attention_pallas_tpu, pattern=pattern, pooling=pooling,
                             segment_ids=segment_ids, interpret=STRICT, **TILES)
     naive = functools.partial(run_attention, pattern=pattern, pooling=pooling,
                               segment_ids=segment_ids, implementation="naive")
     tol = TOLERANCES[jnp.dtype(q.dtype).name]
+    exact = [x.astype(jnp.float32) for x in (q, k, v)]
     if not grads:
         out = jax.jit(tpu)(q, k, v)
-        want = naive(q, k, v)
-        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+        err = _max_error(out, naive(*exact))
         assert out.dtype == q.dtype and err <= tol["out"], err
         return err, None
     (_, out), got = jax.jit(_loss_and_out(tpu))(q, k, v)
-    (_, want), expected = _loss_and_out(naive)(q, k, v)
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
-    grad_err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                   for a, b in zip(got, expected))
+    (_, want), expected = _loss_and_out(naive)(*exact)
+    err = _max_error(out, want)
+    grad_err = max(_max_error(a, b) for a, b in zip(got, expected))
     assert out.dtype == q.dtype and err <= tol["out"], err
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in got)
     assert grad_err <= tol["grad"], grad_err
@@ -92,12 +100,12 @@ def check_against_naive(pattern, q, k, v, segment_ids=None, pooling="cca", grads
 # ---- default run -----------------------------------------------------------------------------
 
 def test_cca_forward_and_grads_packed_gqa_ragged():
-    """B = 2 (row 0 one document, row 1 three), L = 300 (not a multiple of g = 4 nor of the
+    """B = 2 (row 0 one document, row 1 three), L = 302 (not a multiple of g = 4 nor of the
     128-row blocks), s = 37 (not a multiple of g), G = 2, D = 64 (padded to 128 lanes); the
     first and last documents of row 1 are shorter than s (no core token, SPEC property 2
     inside a document)."""
-    q, k, v = _inputs(2, 300, 2, 1, 64, jnp.float32, seed=0)
-    check_against_naive(cca_pattern(4, 37), q, k, v, _segments(2, 300, [30, 270]))
+    q, k, v = _inputs(2, 302, 2, 1, 64, jnp.float32, seed=0)
+    check_against_naive(cca_pattern(4, 37), q, k, v, _segments(2, 302, [30, 270]))
 
 
 def test_bf16_cca_shorter_than_the_window_forward():

@@ -155,7 +155,8 @@ def decode_attention(q, k_ring, v_ring, ck, cv, bounds: DecodeBounds, layer, cfg
                       1.0 / math.sqrt(d))
     table = blocks.decode_block_visits(bounds, ring, block_r, block_c)
     tables = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1), table.reshape(-1)])
-    flat = lambda x: x.reshape(*x.shape[:3], -1)  # noqa: E731  [L, B, N, H*D], free
+    def flat(x):   # [L, B, N, H, D] -> [L, B, N, H*D]; slots may be absent (C = 0)
+        return x.reshape(*x.shape[:3], x.shape[3] * x.shape[4]) if x.shape[2] else None
     out = _decode(walk, cfg, tables, q.reshape(b, hkv, hq // hkv, d), flat(k_ring),
                   flat(v_ring), flat(ck), flat(cv))
     return out.reshape(b, hq, d)
