@@ -95,7 +95,7 @@ def plot_stories(result: dict[str, Any], path) -> None:
     plt = _pyplot()
     names = list(result["options"])
     recs = result["options"]
-    fig, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(13, 4.2))
     x = np.arange(len(names))
     before = [recs[n]["swapped"]["ppl"] for n in names]
     after = [recs[n]["fine_tuned"]["ppl"] for n in names]
@@ -115,8 +115,9 @@ def plot_stories(result: dict[str, Any], path) -> None:
     window = recs["cca"]["option"]["window_size"] if "cca" in recs else None
     if window:
         curve.axvline(window, color="grey", linewidth=0.8)
-        curve.text(window, curve.get_ylim()[1], f" raw window {window}", va="top", fontsize=7)
+        curve.text(window, curve.get_ylim()[0], f" raw window {window}", va="bottom",
+                   fontsize=7)
     curve.set(yscale="log", xlabel="position in window (tokens)", ylabel="perplexity (log)",
               title="perplexity by position")
-    curve.legend(fontsize=6, ncol=2)
+    curve.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
