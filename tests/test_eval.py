@@ -255,7 +255,6 @@ def test_cli_passkey_end_to_end(ckpt, tmp_path, capsys):
     assert "| depth \\ length | 200 |" in stdout and (tmp_path / "pk.png").exists()
 
 
-@pytest.mark.slow
 def test_cli_mdqa_end_to_end(ckpt, tmp_path, capsys):
     if not NQ_ORACLE.exists():
         pytest.skip(f"{NQ_ORACLE} not found")
