@@ -22,6 +22,7 @@ under `jit` XLA then all-gathers K/V along the sequence (no ring attention here)
 from __future__ import annotations
 
 import functools
+import functools
 import logging
 from typing import Callable, NamedTuple
 
@@ -112,6 +113,13 @@ _PALLAS_GPU_HEAD_DIMS = (64, 128)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+@functools.lru_cache(maxsize=None)
+def _log_choice_once(kind: str, backend: str, packed: bool, name: str) -> None:
+    """Log what 'auto' picked, once per (option, backend, packing, choice)."""
+    _log.info("attention=%s on %s%s: implementation 'auto' -> %r", kind, backend,
+              " (packed rows)" if packed else "", name)
+
+
 def resolve_implementation(implementation: str, backend: str | None = None, *,
                            pattern: AttentionPattern | None = None, head_dim: int = 128,
                            dtype=jnp.bfloat16, packed: bool = False) -> str:
@@ -196,8 +204,7 @@ def run_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: AttentionPa
     name = resolve_implementation(implementation, pattern=pattern, head_dim=q.shape[-1],
                                   dtype=q.dtype, packed=segment_ids is not None)
     if implementation == "auto":
-        _log.info("attention=%s L=%d: implementation 'auto' -> %r", pattern.kind, q.shape[1],
-                  name)
+        _log_choice_once(pattern.kind, jax.default_backend(), segment_ids is not None, name)
     return IMPLEMENTATIONS[name].run(q, k, v, pattern, pooling=pooling,
                                      segment_ids=segment_ids)
 
