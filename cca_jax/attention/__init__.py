@@ -22,7 +22,6 @@ under `jit` XLA then all-gathers K/V along the sequence (no ring attention here)
 from __future__ import annotations
 
 import functools
-import functools
 import logging
 from typing import Callable, NamedTuple
 
