@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cca_jax import cca_attention
+from cca_jax import AttentionPattern, cca_attention, run_attention
 from cca_jax.attention import cca_attention_naive, cca_attention_xla, resolve_implementation
 from tests.reference import cca_reference, causal_reference, reference_directional_grads
 
@@ -386,6 +386,9 @@ def test_mixed_dtypes_rejected():
 
 
 def test_kernels_not_available_say_what_to_use():
+    """A kernel asked for where it cannot run names the implementation that can."""
     q, k, v = make_inputs((1, 40, 4, 2, 8, 4, 8))
-    with pytest.raises(NotImplementedError, match="implementation='xla'"):
-        cca_attention(q, k, v, group_size=4, window_size=8, implementation="pallas_tpu")
+    with pytest.raises(ValueError, match="implementation='xla'"):    # head_dim 8
+        cca_attention(q, k, v, group_size=4, window_size=8, implementation="pallas_gpu")
+    with pytest.raises(ValueError, match="'xla'"):                   # no GPU here
+        run_attention(q, k, v, AttentionPattern("full"), implementation="cudnn")
