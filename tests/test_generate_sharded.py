@@ -3,7 +3,6 @@ KV heads over a `tensor` axis and its rows over `data` give the unsharded cache'
 tokens, and the cache stays sharded through prefill and decode (what a multi-GPU host needs
 for contexts one device cannot hold)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
