@@ -11,13 +11,17 @@ length): a virtual self-attention sequence is built per layer,
 (`blocks.ring_order`), the chunk's queries sit at their keys' rows and the `front` rows before
 them are padding (whole query blocks that see only themselves). Slots completed inside the
 chunk are pooled from that sequence with their last token's query (`blocks.chunk_slots`) and
-written into the cache's slots, then the blocked XLA attention runs with the per-row bounds of
-`blocks.chunk_ranges`, and the chunk's keys/values go into the ring. Memory: the cache plus
-one chunk (plus the ring once) per layer, at any prompt length.
+written into the cache's slots, then a blocked attention (`OFFSET_IMPLEMENTATIONS`: the Pallas
+kernels on GPU/TPU, XLA elsewhere) runs with the per-row bounds of `blocks.chunk_ranges`, and
+the chunk's keys/values go into the ring. Memory: the cache plus one chunk (plus the ring
+once) per layer, at any prompt length. A first chunk (every row empty) is the model's own
+forward (`run_attention`, cuDNN included), its slots and ring then written.
 
 Decode, one token per row at position `p` = its cache length: its key/value goes into ring
 entry `p % R`, a slot completed by it is pooled from the ring, and its query runs one masked
-softmax over the ring (`blocks.cache_raw_visible`) and the slots (`blocks.cache_slot_visible`).
+softmax over the ring and the slots (`DECODE_IMPLEMENTATIONS`: the Pallas decode kernels
+from `blocks.decode_bounds`, or XLA with `blocks.cache_raw_visible` / `cache_slot_visible`).
+The step unrolls the layers, so every weight and cache slice is static.
 """
 
 from __future__ import annotations
@@ -168,13 +172,13 @@ def _blocked_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
     return blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
 
 
-# Implementations that take per-row bounds of any shape: what a chunk at an offset needs
-# (its keys are the ring plus itself, not a row from position 0).
 def _blocked_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
     from pallas_kernels.tpu import blocked_attention_pallas_tpu
     return blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
 
 
+# Implementations that take per-row bounds of any shape: what a chunk at an offset needs
+# (its keys are the ring plus itself, not a row from position 0).
 OFFSET_IMPLEMENTATIONS = {"xla": _blocked_xla, "pallas_gpu": _blocked_pallas_gpu,
                           "pallas_tpu": _blocked_pallas_tpu}
 
