@@ -108,6 +108,7 @@ def test_cca_forward_and_grads_packed_gqa_ragged():
     check_against_naive(cca_pattern(4, 37), q, k, v, _segments(2, 302, [30, 270]))
 
 
+@pytest.mark.slow
 def test_bf16_cca_shorter_than_the_window_forward():
     """CCA with L < s: no slots at all (the kernels' slot inputs are left out), which is
     causal full attention (property 2); bf16, Hq = Hkv, L < one block."""

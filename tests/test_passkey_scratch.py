@@ -96,6 +96,7 @@ def test_cli_flags_map_onto_the_config(tmp_path):
         pk.ExperimentConfig(attentions="full,dense")
 
 
+@pytest.mark.slow
 def test_tiny_run_trains_and_evaluates_on_cpu(tmp_path):
     cfg = tiny_config(tmp_path, attentions="cca")
     records = pk.run_experiment(cfg, progress=False)

@@ -114,7 +114,6 @@ FAST = [
     ("cca", "data2-seq4", True, True),
     ("cca-g5", "seq8", False, True),
     ("sliding", "seq8", True, False),
-    ("streaming", "seq4", True, True),
 ]
 ALL = [(p, m, packed, zz) for p in PATTERNS for m in MESHES for packed in (False, True)
        for zz in (True, False)]
