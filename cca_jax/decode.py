@@ -27,7 +27,6 @@ The step unrolls the layers, so every weight and cache slice is static.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 
 import jax
@@ -383,19 +382,22 @@ def _decode_xla(q, k_all, v_all, ck, cv, i, pat, p):
                             blocks.cache_slot_visible(pat, p, num_slots))
 
 
-def _decode_pallas(kernel_name):
-    def run(q, k_all, v_all, ck, cv, i, pat, p):
-        kernels = importlib.import_module(f"pallas_kernels.{kernel_name}")  # lazy: they import us
-        bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
-        decode = getattr(kernels, f"decode_attention_pallas_{kernel_name}")
-        return decode(q, k_all, v_all, ck, cv, bounds, layer=i)
-    return run
+def _decode_pallas_gpu(q, k_all, v_all, ck, cv, i, pat, p):
+    from pallas_kernels.gpu import decode_attention_pallas_gpu  # lazy: kernels import us
+    bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
+    return decode_attention_pallas_gpu(q, k_all, v_all, ck, cv, bounds, layer=i)
+
+
+def _decode_pallas_tpu(q, k_all, v_all, ck, cv, i, pat, p):
+    from pallas_kernels.tpu import decode_attention_pallas_tpu
+    bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
+    return decode_attention_pallas_tpu(q, k_all, v_all, ck, cv, bounds, layer=i)
 
 
 # Decode attention of one query per row against the stacked cache: the XLA form (masks over
 # one layer's ring and slots) and the Pallas kernels (per-row bounds, layer read in place).
-DECODE_IMPLEMENTATIONS = {"xla": _decode_xla, "pallas_gpu": _decode_pallas("gpu"),
-                          "pallas_tpu": _decode_pallas("tpu")}
+DECODE_IMPLEMENTATIONS = {"xla": _decode_xla, "pallas_gpu": _decode_pallas_gpu,
+                          "pallas_tpu": _decode_pallas_tpu}
 _KERNEL_DECODE_HEAD_DIMS = (64, 128, 256)
 
 
