@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.attention.pooling import core_tokens_and_bounds
+from pallas_kernels.shapes import check_blocked_inputs
 from pallas_kernels.gpu.kernels import (SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention,
                                         check_config)
 
@@ -68,19 +69,10 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     overrides (block_q=..., dq_block_k=..., forward_loop_style=...; see `kernel_config`).
     interpret defaults to True on the CPU backend. Differentiable in q, k, v, ck and cv.
     """
+    bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
+    check_blocked_inputs(q, k, v, ck, cv, bounds)
     b, length, hq, d = q.shape
     _check_head_dim(d)
-    hkv = k.shape[2]
-    if k.shape != (b, length, hkv, d) or v.shape != k.shape or hq % hkv:
-        raise ValueError(f"k and v must be [B, L, Hkv, D] with Hq a multiple of Hkv; got q "
-                         f"{q.shape}, k {k.shape}, v {v.shape}.")
-    if ck.ndim != 4 or ck.shape[0] != b or ck.shape[2:] != (hq, d) or cv.shape != ck.shape:
-        raise ValueError(f"ck and cv must be [B, m, Hq, D]; got {ck.shape} and {cv.shape} for "
-                         f"q {q.shape}.")
-    bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
-    if any(x.shape != (b, length) for x in bounds):
-        raise ValueError(f"raw_lo, core_lo and core_hi must be [B, L] = {(b, length)}; got "
-                         f"{[x.shape for x in bounds]}.")
     bounds = tuple(x.astype(jnp.int32) for x in bounds)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"

@@ -31,6 +31,7 @@ from pallas_kernels.tpu.common import LANES, KernelConfig, check_config, head_vi
 from pallas_kernels.tpu.decode import check_decode_inputs, decode_attention
 from pallas_kernels.tpu.key_kernels import KeyWalk
 from pallas_kernels.tpu.query_kernels import QueryWalk
+from pallas_kernels.shapes import check_blocked_inputs
 
 
 def default_interpret():
@@ -134,22 +135,6 @@ def _pad_head_dim(x, d: int):
     return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _check_shapes(q, k, v, ck, cv, bounds):
-    if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q and k must be [B, L, H, D], got {q.shape} and {k.shape}.")
-    b, length, hq, d = q.shape
-    hkv = k.shape[2]
-    if k.shape != (b, length, hkv, d) or v.shape != k.shape or hq % hkv:
-        raise ValueError(f"k and v must be [B, L, Hkv, D] with Hq a multiple of Hkv; got q "
-                         f"{q.shape}, k {k.shape}, v {v.shape}.")
-    if ck.ndim != 4 or ck.shape[0] != b or ck.shape[2:] != (hq, d) or cv.shape != ck.shape:
-        raise ValueError(f"ck and cv must be [B, m, Hq, D]; got {ck.shape} and {cv.shape} for "
-                         f"q {q.shape}.")
-    if any(x.shape != (b, length) for x in bounds):
-        raise ValueError(f"raw_lo, core_lo and core_hi must be [B, L] = {(b, length)}; got "
-                         f"{[x.shape for x in bounds]}.")
-
-
 def blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
                                  window: int | None = None, interpret=None, **tiling):
     """One softmax per row over raw keys and slots, through Pallas' Mosaic (TPU) lowering.
@@ -163,7 +148,7 @@ def blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     KernelConfig overrides (block_q=..., ...). Differentiable in q, k, v, ck and cv.
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
-    _check_shapes(q, k, v, ck, cv, bounds)
+    check_blocked_inputs(q, k, v, ck, cv, bounds)
     b, length, hq, d = q.shape
     if window is None:
         window = length
