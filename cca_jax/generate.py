@@ -199,6 +199,21 @@ class UsageError(Exception):
     """Bad input the user can fix; printed as `error: ...` with exit status 2."""
 
 
+def check_checkpoint(ckpt) -> Path:
+    """The checkpoint directory `--ckpt` names, or a UsageError saying what to pass."""
+    from cca_jax.checkpoint import find_config
+
+    path = Path(ckpt)
+    if not path.is_dir():
+        raise UsageError(f"checkpoint directory {path} does not exist (--ckpt).")
+    try:
+        find_config(path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{e} Is --ckpt a converted checkpoint "
+                         "(python -m convert.hf_to_flax) or a train/ export?") from None
+    return path
+
+
 def find_tokenizer_dir(ckpt: Path) -> Path:
     """The directory holding the checkpoint's tokenizer (its own, or config.json's)."""
     candidates = [ckpt]
@@ -365,15 +380,7 @@ def run(a, out=None, err=None) -> int:
     """The CLI on parsed arguments; raises UsageError for bad input."""
     out, err = out or sys.stdout, err or sys.stderr
     _check_args(a)
-    ckpt = Path(a.ckpt)
-    if not ckpt.is_dir():
-        raise UsageError(f"checkpoint directory {ckpt} does not exist (--ckpt).")
-    from cca_jax.checkpoint import find_config
-    try:
-        find_config(ckpt)
-    except FileNotFoundError as e:
-        raise UsageError(f"{e} Is --ckpt a converted checkpoint "
-                         "(python -m convert.hf_to_flax)?") from None
+    ckpt = check_checkpoint(a.ckpt)
     text = _read_prompt(a)
     tokenizer = load_tokenizer(ckpt)
     prompt_ids = list(tokenizer(text)["input_ids"])

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from cca_jax.generate import UsageError, attention_overrides, load_tokenizer
+from cca_jax.generate import UsageError, attention_overrides, check_checkpoint, load_tokenizer
 
 
 def check_positive(name: str, value, *, zero_ok: bool = False) -> None:
@@ -18,21 +18,6 @@ def check_positive(name: str, value, *, zero_ok: bool = False) -> None:
     low = 0 if zero_ok else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise UsageError(f"{name} must be an integer >= {low}, got {value!r}.")
-
-
-def check_checkpoint(ckpt: str | Path) -> Path:
-    """The checkpoint directory, or a UsageError saying what to pass."""
-    from cca_jax.checkpoint import find_config
-
-    path = Path(ckpt)
-    if not path.is_dir():
-        raise UsageError(f"checkpoint directory {path} does not exist (--ckpt).")
-    try:
-        find_config(path)
-    except FileNotFoundError as e:
-        raise UsageError(f"{e} Is --ckpt a converted checkpoint "
-                         "(python -m convert.hf_to_flax) or a train/ export?") from None
-    return path
 
 
 def load_model(a):
