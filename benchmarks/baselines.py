@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, median_ms, rel_l2, write_results  # noqa: E402
+from benchmarks.measure import (PAPER_PATTERNS, median_ms, read_records, rel_l2,  # noqa: E402
+                                write_results)
 from cca_jax import run_attention  # noqa: E402
 from cca_jax.attention import resolve_implementation  # noqa: E402
 
@@ -154,9 +155,7 @@ def main(argv=None):
     kinds = args.kinds.split(",")
     records = []
     if args.merge:
-        for path in args.merge:
-            with open(path) as f:
-                records += json.load(f)
+        records = read_records(args.merge)
         args.prefill = args.prefill or int("prefill_s" in records[0])
     elif args.prefill:
         for kind in kinds:

@@ -40,7 +40,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, write_results  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, read_records, write_results  # noqa: E402
 
 # Model shapes (random weights): the paper's LLaMA-2-7B, and a tiny one for CPU checks.
 SHAPES = {
@@ -261,10 +261,7 @@ def main(argv=None):
                     help="instead of measuring, combine earlier --out JSON files into --out")
     args = ap.parse_args(argv)
     if args.merge:
-        records = []
-        for path in args.merge:
-            with open(path) as f:
-                records += json.load(f)
+        records = read_records(args.merge)
     elif args.impl == "hf_sdpa":
         records = bench_hf_sdpa(args)
     else:

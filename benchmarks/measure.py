@@ -45,6 +45,17 @@ def rel_l2(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def read_records(paths) -> list:
+    """The records of earlier `<out>.json` files, concatenated (for `--merge`)."""
+    import json
+
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records += json.load(f)
+    return records
+
+
 def write_results(out: str, records: list, table: str) -> None:
     """Print the markdown table; write `<out>.json` (the records) and `<out>.md` (the table)."""
     import json

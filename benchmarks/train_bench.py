@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import write_results  # noqa: E402
+from benchmarks.measure import read_records, write_results  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -95,10 +95,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/train_h200")
     args = ap.parse_args(argv)
     if args.merge:
-        records = []
-        for path in args.merge:
-            with open(path) as f:
-                records += json.load(f)
+        records = read_records(args.merge)
     else:
         records = [measure(args)]
     write_results(args.out, records, table(records))
