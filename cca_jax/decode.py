@@ -78,32 +78,34 @@ def _scatter(x, i, rows, index, update):
     `dynamic_update_slice`: XLA updates a loop-carried buffer in place that way (a scatter
     into the whole stacked cache made it copy the cache, 2x its memory, on every call).
     """
-    layer = _layer(x, i).at[rows, index].set(update.astype(x.dtype), mode="drop")
-    return jax.lax.dynamic_update_index_in_dim(x, layer, i, 0)
+    return _put_layer(x, i, _layer(x, i).at[rows, index].set(update.astype(x.dtype),
+                                                             mode="drop"))
 
 
-# Batches up to this size write their decode entries with one update per row, unrolled;
-# larger ones loop over rows (the unrolled form compiled for minutes at batch 16, 7B shape).
-UNROLLED_ROW_WRITES = 8
+def _put_layer(x, i, layer):
+    """`x` with layer `i` replaced: one `dynamic_update_slice`, in place on a donated or
+    loop-carried buffer (a scatter into the whole stacked cache inside the layer scan made
+    XLA copy the cache, 2x its memory)."""
+    return jax.lax.dynamic_update_index_in_dim(x, layer.astype(x.dtype), i, 0)
+
+
+def _ring_after_chunk(old, new, p0, end):
+    """One layer's ring `[B, R, H, D]` after a chunk `new` `[B, n, H, D]` at positions
+    `p0 ...`, valid up to `end` (per row): entries whose position (`blocks.ring_positions`)
+    lies in the chunk take its key/value, the others keep theirs. A gather of R rows: a
+    scatter of the whole chunk (mostly dropped indices) cost 2 ms per layer at 128K."""
+    u = blocks.ring_positions(end - 1, old.shape[1])
+    fresh = u >= p0[:, None]
+    at = jnp.clip(u - p0[:, None], 0, new.shape[1] - 1)
+    taken = jnp.take_along_axis(new, at[:, :, None, None], axis=1)
+    return jnp.where(fresh[:, :, None, None], taken.astype(old.dtype), old)
 
 
 def _set_entry(x, i, index, update, keep):
-    """`x[i, b, index[b]] = update[b]` for the rows `b` with `keep[b]` (index in range).
-
-    One-entry `dynamic_update_slice`s, one per row: XLA updates the donated cache in place
-    that way and touches nothing else (a scatter copied the whole cache, 2x its memory).
-    """
-    def write_row(b, x):
-        at = (i, b, index[b]) + (0,) * (x.ndim - 3)
-        old = jax.lax.dynamic_slice(x, at, (1, 1, 1, *x.shape[3:]))
-        new = jnp.where(keep[b], update[b].astype(x.dtype).reshape(old.shape), old)
-        return jax.lax.dynamic_update_slice(x, new, at)
-
-    if x.shape[1] > UNROLLED_ROW_WRITES:
-        return jax.lax.fori_loop(0, x.shape[1], write_row, x)
-    for b in range(x.shape[1]):
-        x = write_row(b, x)
-    return x
+    """`x[i, b, index[b]] = update[b]` for the rows `b` with `keep[b]`: one scatter of B
+    entries at a static layer `i`, in place on the donated cache."""
+    index = jnp.where(keep, index, x.shape[2])
+    return x.at[i, jnp.arange(x.shape[1]), index].set(update.astype(x.dtype), mode="drop")
 
 
 def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = False):
@@ -193,14 +195,23 @@ def offset_implementation(cfg: LlamaConfig) -> str:
     return name if name in OFFSET_IMPLEMENTATIONS else "xla"
 
 
-def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, write, rows):
+def _first_slots(x, i, new, done):
+    """Layer `i` of the slots `x` with slots `0 .. n - 1` set from `new` `[B, n, H, D]` where
+    `done` `[B, n, 1, 1]` (completed in the row): one slice update, no scatter."""
+    old = _layer(x, i)
+    n = new.shape[1]
+    return _put_layer(x, i, old.at[:, :n].set(jnp.where(done, new.astype(old.dtype),
+                                                         old[:, :n])))
+
+
+def _first_chunk_attend(cfg, pat, n, n_valid, num_slots):
     """Attention of a chunk at position 0 of every row: the model's own `run_attention` (any
     implementation, cuDNN included), then its completed slots and last raw keys into the
     cache. The same result as the offset path, without the ring's padding rows."""
     size = pat.slot_size
     pooled = min(n // size, num_slots)
-    slot = jnp.arange(pooled, dtype=jnp.int32)[None]
-    slot = jnp.where(slot < (n_valid // size)[:, None], slot, num_slots)
+    done = (jnp.arange(pooled) < (n_valid // size)[:, None])[:, :, None, None]
+    zero = jnp.zeros_like(n_valid)
 
     def attend(i, q, k, v, cache):
         q = q.astype(cache.k.dtype)
@@ -211,9 +222,11 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, write, rows):
         if pooled:
             new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=pooled,
                                               pooling=cfg.attention.pooling)
-            ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
-        cache = cache.replace(k=_scatter(cache.k, i, rows, write, k),
-                              v=_scatter(cache.v, i, rows, write, v), ck=ck, cv=cv)
+            ck, cv = _first_slots(ck, i, new_ck, done), _first_slots(cv, i, new_cv, done)
+        cache = cache.replace(
+            k=_put_layer(cache.k, i, _ring_after_chunk(_layer(cache.k, i), k, zero, n_valid)),
+            v=_put_layer(cache.v, i, _ring_after_chunk(_layer(cache.v, i), v, zero, n_valid)),
+            ck=ck, cv=cv)
         return out, cache
 
     return attend
@@ -237,11 +250,9 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     pos = p0[:, None] + r
     end = p0 + n_valid
     rows = jnp.arange(b)[:, None]
-    # Only the last R tokens of a chunk stay in the ring (no two writes to one entry).
-    write = jnp.where((r < n_valid[:, None]) & (pos >= end[:, None] - ring), pos % ring, ring)
     cos, sin = rope_cos_sin(pos, cfg)
     if first:
-        attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots, write, rows)
+        attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots)
         return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
@@ -257,7 +268,8 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
         return jnp.concatenate([unused, old, new.astype(ring_x.dtype)], axis=1)
 
     def attend(i, q, k, v, cache):
-        kv_k, kv_v = virtual(_layer(cache.k, i), k), virtual(_layer(cache.v, i), v)
+        ring_k, ring_v = _layer(cache.k, i), _layer(cache.v, i)
+        kv_k, kv_v = virtual(ring_k, k), virtual(ring_v, v)
         qv = jnp.concatenate([jnp.zeros((b, front, *q.shape[2:]), kv_k.dtype),
                               q.astype(kv_k.dtype)], axis=1)
         ck, cv = cache.ck, cache.cv
@@ -268,8 +280,9 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
             ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
         out = blocked(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo, core_hi,
                       blocking)[:, front:]
-        cache = cache.replace(k=_scatter(cache.k, i, rows, write, k),
-                              v=_scatter(cache.v, i, rows, write, v), ck=ck, cv=cv)
+        cache = cache.replace(k=_put_layer(cache.k, i, _ring_after_chunk(ring_k, k, p0, end)),
+                              v=_put_layer(cache.v, i, _ring_after_chunk(ring_v, v, p0, end)),
+                              ck=ck, cv=cv)
         return out, cache
 
     return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)

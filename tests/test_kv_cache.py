@@ -27,7 +27,7 @@ from flax import nnx
 from cca_jax import blocks
 from cca_jax.blocks import AttentionPattern
 from cca_jax.config import LlamaConfig
-from cca_jax.decode import decode_step, prefill
+from cca_jax.decode import decode_step, prefill, prefill_chunk
 from cca_jax.kv_cache import KVCache, cache_bytes, cache_shapes, full_cache_bytes, init_cache
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.padding import round_up
@@ -179,6 +179,28 @@ def test_cache_is_a_pytree_that_jit_and_scan_take():
     assert float(carried.k.max()) == 2.0 and carried.max_len == 32
     with pytest.raises(ValueError, match="max_len"):
         init_cache(cfg, 1, 0)
+
+
+def _temp_bytes(layers: int) -> dict:
+    cfg = TINY.replace(attention="cca", group_size=4, window_size=16, num_hidden_layers=layers,
+                       max_position_embeddings=8192, implementation="xla")
+    state = nnx.split(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    cache = init_cache(cfg, 2, 8192)
+    ids, n_valid = jnp.zeros((2, 64), jnp.int32), jnp.full((2,), 64, jnp.int32)
+    programs = {"decode": decode_step.lower(state, cache, ids[:, 0], None),
+                "first chunk": prefill_chunk.lower(state, cache, ids, n_valid, first=True),
+                "chunk at an offset": prefill_chunk.lower(state, cache, ids, n_valid)}
+    temp = {k: p.compile().memory_analysis().temp_size_in_bytes for k, p in programs.items()}
+    return dict(temp, cache=cache_bytes(cache))
+
+
+def test_cache_writes_do_not_copy_the_cache():
+    """Prefill and decode update the donated cache in place: their temporaries do not grow
+    with the cache's layers (a scatter into the whole stacked cache once copied it: 1x)."""
+    four, eight = _temp_bytes(4), _temp_bytes(8)
+    grown = eight["cache"] - four["cache"]
+    for name in ("decode", "first chunk", "chunk at an offset"):
+        assert eight[name] - four[name] < 0.25 * grown, (name, four, eight)
 
 
 # ---- decode equals prefill -----------------------------------------------------------------

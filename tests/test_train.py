@@ -80,6 +80,25 @@ def test_chunked_cross_entropy_equals_dense():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_rows_across_documents_are_one_sequence():
+    """--no-document-mask: a packed row's loss is that of one unpacked sequence."""
+    _, apply, state = _setup("cca", "qkv")
+    model = apply(state.trainable, state.frozen)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 101, (2, SEQ + 1)).astype(np.int32)
+    seg = np.where(np.arange(SEQ) < 20, 1, 2)[None].repeat(2, 0).astype(np.int32)
+    pos = np.where(seg == 1, np.arange(SEQ), np.arange(SEQ) - 20).astype(np.int32)
+    batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], segment_ids=seg, positions=pos,
+                 loss_mask=np.ones((2, SEQ), np.float32))
+    one = dict(batch, segment_ids=np.ones_like(seg),
+               positions=np.broadcast_to(np.arange(SEQ, dtype=np.int32), seg.shape))
+    across = steps.loss_fn(model, batch, 16, document_mask=False)[0]
+    np.testing.assert_allclose(across, steps.loss_fn(model, one, 16)[0], rtol=1e-6)
+    assert abs(across - steps.loss_fn(model, batch, 16)[0]) > 1e-3
+    assert parse_args(["--preset", "tiny", "--out", "x", "--no-document-mask"]).document_mask \
+        is False
+
+
 def _losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -83,16 +83,17 @@ def _mesh(shape):
     return make_mesh(shape)
 
 
-def compiled_step(kind: str, mesh_items: tuple | None, remat: str = "none"):
+def compiled_step(kind: str, mesh_items: tuple | None, remat: str = "none",
+                  document_mask: bool = True):
     """(compiled grads program, its (loss, count, grads) on `packed_batch()`), as the trainer
     builds them for this mesh (remat changes no result: tests/test_model.py). Cached."""
-    return _compiled_step(kind, mesh_items, remat)
+    return _compiled_step(kind, mesh_items, remat, document_mask)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_step(kind: str, mesh_items: tuple | None, remat: str):
+def _compiled_step(kind: str, mesh_items: tuple | None, remat: str, document_mask: bool):
     mesh = _mesh(None if mesh_items is None else dict(mesh_items))
-    cfg = TrainConfig(out="unused", preset="tiny", seq_len=SEQ)
+    cfg = TrainConfig(out="unused", preset="tiny", seq_len=SEQ, document_mask=document_mask)
     model = LlamaForCausalLM(model_config(kind, remat), rngs=nnx.Rngs(0))
     sequence = steps.sequence_sharding_for(mesh, model.config.attention.pattern)
     model.sequence_sharding = sequence
@@ -144,6 +145,20 @@ def test_sharded_step_equals_single_device(kind, mesh, remat):
     _, (loss1, count1, grads1) = compiled_step(kind, None)
     _, (loss, count, grads) = compiled_step(kind, _items(mesh), remat)
     assert count == count1
+    np.testing.assert_allclose(loss, loss1, rtol=LOSS_RTOL)
+    flat1 = steps.flatten(grads1)
+    for path, g in steps.flatten(grads).items():
+        np.testing.assert_allclose(g, flat1[path], atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                   err_msg=str(path))
+
+
+@needs_8
+def test_rows_across_documents_under_sequence_sharding_equal_single_device():
+    """--no-document-mask: positions 0..L-1 follow the zigzag row order; no segment ids."""
+    _, (loss1, _, grads1) = compiled_step("cca", None, document_mask=False)
+    _, (loss, _, grads) = compiled_step("cca", _items("fsdp2-seq4"), document_mask=False)
+    _, (masked, _, _) = compiled_step("cca", None)
+    assert abs(loss1 - masked) > 50 * LOSS_RTOL * abs(masked)   # the masks did matter
     np.testing.assert_allclose(loss, loss1, rtol=LOSS_RTOL)
     flat1 = steps.flatten(grads1)
     for path, g in steps.flatten(grads).items():

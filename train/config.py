@@ -57,6 +57,11 @@ class TrainConfig:
     data_dir: str | None = None        # TFDS data dir
     text_field: str = "text"
     seq_len: int = 4096
+    # Packed documents see only themselves (segment ids; RoPE positions restart per document).
+    # --no-document-mask: each row is one stretch of text that attends across its documents
+    # with positions 0..L-1 (the paper's LongLoRA-style data), which cuDNN's full attention
+    # can run (it takes no segment ids).
+    document_mask: bool = True
     batch_size: int = 1                # sequences per optimizer step, across all devices...
     grad_accum: int = 1                # ...in this many micro-batches
     # model and attention (None: the checkpoint's own)

@@ -153,9 +153,14 @@ def in_row_order(batch: dict, sharding: SequenceSharding | None) -> dict:
     return {k: np.asarray(x)[..., order] if k in BATCH_KEYS else x for k, x in batch.items()}
 
 
-def loss_fn(model: LlamaForCausalLM, batch: dict, chunk: int):
-    """(summed token loss, token count) of one micro-batch."""
-    hidden = model.hidden_states(batch["input_ids"], batch["segment_ids"], batch["positions"])
+def loss_fn(model: LlamaForCausalLM, batch: dict, chunk: int, document_mask: bool = True):
+    """(summed token loss, token count) of one micro-batch. `document_mask=False`: each row
+    attends across its documents at positions 0..L-1 (in the model's row order)."""
+    if document_mask:
+        hidden = model.hidden_states(batch["input_ids"], batch["segment_ids"],
+                                     batch["positions"])
+    else:
+        hidden = model.hidden_states(batch["input_ids"])
     return chunked_cross_entropy(hidden, model.output_weight(), batch["targets"],
                                  batch["loss_mask"], chunk)
 
@@ -193,7 +198,8 @@ def make_grad_fn(apply, cfg: TrainConfig) -> Callable:
     float32 gradient w.r.t. the trainable parameters over `[grad_accum, B, L]` batches."""
     def micro(state: TrainState, batch):
         def loss_of(train):
-            return loss_fn(apply(train, state.frozen), batch, cfg.loss_chunk)
+            return loss_fn(apply(train, state.frozen), batch, cfg.loss_chunk,
+                           cfg.document_mask)
         (total, count), grads = jax.value_and_grad(loss_of, has_aux=True)(state.trainable)
         return total, count, grads
 

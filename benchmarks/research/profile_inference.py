@@ -1,0 +1,176 @@
+"""Probe: where does the time of a prefill and of a decode step go, kernel by kernel?
+
+    python benchmarks/research/profile_inference.py --impl cca --context 131072 --out DIR
+
+Builds the LLaMA-2-7B-shaped model of `benchmarks/inference.py`, then
+  decode:  a cache with every row's length set to the context (as `--no-prefill` there),
+           warm steps, then `--steps` steps under `jax.profiler.trace`;
+  prefill: (with `--prefill`) one warm `decode.prefill` of the context under the trace.
+The trace (`.xplane.pb`) is read with `jax.profiler.ProfileData`: for each phase it prints the
+wall time, the summed kernel time on the GPU streams, the kernel count, and the kernels that
+take the most time (grouped by name). The gap between wall and kernel time is host and
+launch overhead; XLA flags (command buffers, ...) can be compared by running this under
+different `XLA_FLAGS`. Writes `<out>/<phase>.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def kernel_table(trace_dir: str, top: int) -> dict:
+    """Summed GPU stream events of the newest trace under `trace_dir`, by name."""
+    from jax.profiler import ProfileData
+
+    path = max(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
+    data = ProfileData.from_file(path)
+    by_name = collections.defaultdict(lambda: [0, 0])
+    first, last = None, None
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for ev in line.events:
+                events.append((ev.start_ns, ev.duration_ns, ev.name))
+                by_name[ev.name][0] += 1
+                by_name[ev.name][1] += ev.duration_ns
+                first = ev.start_ns if first is None else min(first, ev.start_ns)
+                end = ev.start_ns + ev.duration_ns
+                last = end if last is None else max(last, end)
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return dict(kernels=sum(c for c, _ in by_name.values()),
+                kernel_ms=sum(t for _, t in by_name.values()) / 1e6,
+                span_ms=(last - first) / 1e6 if first is not None else 0.0,
+                top=[dict(name=n[:120], count=c, ms=t / 1e6) for n, (c, t) in rows[:top]],
+                events=sorted(events))
+
+
+def last_run_sequence(table: dict, per: int) -> list[dict]:
+    """The kernels of the last of `per` equal runs, in order: name, us, gap before it (us)."""
+    events = table.pop("events")
+    mine = events[len(events) - len(events) // per:]
+    out, end = [], None
+    for start, dur, name in mine:
+        out.append(dict(name=name[:80], us=round(dur / 1e3, 2),
+                        gap_us=None if end is None else round((start - end) / 1e3, 2)))
+        end = start + dur
+    return out
+
+
+def report(phase: str, wall_ms: float, per: int, table: dict, out: str) -> None:
+    sequence = last_run_sequence(table, per)
+    print(f"\n== {phase}: wall {wall_ms / per:.3f} ms, kernels {table['kernel_ms'] / per:.3f} ms "
+          f"in {table['kernels'] / per:.0f} launches, GPU span {table['span_ms'] / per:.3f} ms "
+          f"(per {'step' if per > 1 else 'run'})")
+    for row in table["top"]:
+        print(f"  {row['ms'] / per:9.4f} ms  x{row['count'] / per:6.1f}  {row['name']}")
+    if per > 1:  # one layer's kernels from the middle of a step
+        middle = len(sequence) // 2
+        print("  kernels in order from the middle of the last step (us, gap before):")
+        for row in sequence[middle:middle + 40]:
+            print(f"    {row['us']:8.2f} {row['gap_us']:7.2f}  {row['name']}")
+    with open(os.path.join(out, f"{phase}.json"), "w") as f:
+        json.dump(dict(phase=phase, wall_ms=wall_ms / per, per=per,
+                       xla_flags=os.environ.get("XLA_FLAGS", ""), **table,
+                       sequence=sequence), f, indent=1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--impl", default="cca")
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--decode-impl", default=None)
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--shape", default="llama2-7b")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", required=True, help="folder for <phase>.json")
+    ap.add_argument("--trace-dir", default="/tmp/profile_inference",
+                    help="where the profiler writes its traces")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.inference import SHAPES, _max_len
+    from benchmarks.measure import PAPER_PATTERNS
+    from cca_jax.config import LlamaConfig
+    from cca_jax.decode import decode_implementation, decode_step, prefill
+    from cca_jax.kv_cache import init_cache
+    from cca_jax.model import LlamaForCausalLM
+
+    os.makedirs(args.out, exist_ok=True)
+    p = PAPER_PATTERNS[args.impl]
+    cfg = LlamaConfig(**SHAPES[args.shape],
+                      max_position_embeddings=_max_len(args.context, 2 * args.steps + 4),
+                      attention=dict(kind=args.impl, group_size=p.group_size,
+                                     window_size=p.window_size, sink_tokens=p.sink_tokens))
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    state = nnx.split(model)
+    impl = args.decode_impl or decode_implementation(cfg)
+    max_len = _max_len(args.context, 2 * args.steps + 4)
+    print(f"{args.impl} C={args.context} B={args.batch} decode={impl} "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+
+    cache = init_cache(cfg, args.batch, max_len)
+    cache = cache.replace(lengths=jnp.full((args.batch,), args.context, jnp.int32))
+    token = jnp.zeros((args.batch,), jnp.int32)
+
+    def steps(cache, token, n):
+        for _ in range(n):
+            logits, cache = decode_step(state, cache, token, None, implementation=impl)
+            token = jnp.argmax(logits, -1).astype(jnp.int32)
+            token.block_until_ready()
+        return cache, token
+
+    start = time.perf_counter()
+    cache, token = steps(cache, token, 1)
+    print(f"decode compile + first step {time.perf_counter() - start:.1f} s", flush=True)
+    cache, token = steps(cache, token, 3)
+    trace_dir = os.path.join(args.trace_dir, "decode")
+    with jax.profiler.trace(trace_dir):
+        start = time.perf_counter()
+        cache, token = steps(cache, token, args.steps)
+        wall = (time.perf_counter() - start) * 1e3
+    # Untraced, for the tracer's own overhead.
+    start = time.perf_counter()
+    cache, token = steps(cache, token, args.steps)
+    print(f"untraced decode {(time.perf_counter() - start) * 1e3 / args.steps:.3f} ms/step")
+    report("decode", wall, args.steps, kernel_table(trace_dir, args.top), args.out)
+    del cache
+
+    if args.prefill:
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.context))
+
+        start = time.perf_counter()
+        c, logits = prefill(model, init_cache(cfg, args.batch, max_len), ids,
+                            chunk_size=args.context)
+        jax.block_until_ready(logits)
+        del c
+        print(f"prefill compile + run {time.perf_counter() - start:.1f} s", flush=True)
+        trace_dir = os.path.join(args.trace_dir, "prefill")
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            c, logits = prefill(model, init_cache(cfg, args.batch, max_len), ids,
+                                chunk_size=args.context)
+            jax.block_until_ready(logits)
+            wall = (time.perf_counter() - start) * 1e3
+        del c
+        report("prefill", wall, 1, kernel_table(trace_dir, args.top), args.out)
+
+
+if __name__ == "__main__":
+    main()
