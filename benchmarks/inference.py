@@ -13,9 +13,12 @@ For each context C (B prompts of C random tokens):
   * time to first token: `cca_jax.decode.prefill` of the prompts (in chunks of `--chunk`;
     default one chunk) into a fresh cache, plus the greedy first token, measured on a second
     run (the first compiles; its time is recorded as `first_call_s`);
-  * decode: `--decode-tokens` greedy steps of `cca_jax.decode.decode_step` after that
-    prefill; the median step time after two warm-up steps (`decode_ms_per_token`, all B rows
-    advancing together: aggregate tokens/s = 1000 B / decode_ms_per_token);
+  * decode: greedy steps after that prefill through `cca_jax.generate.decode_loop`, as
+    `generate` runs them (pipelined; pooling only in steps that complete a slot): the mean
+    time between tokens over `--decode-tokens` steps after `--decode-warmup` steps
+    (`decode_ms_per_token`, all B rows advancing together: aggregate tokens/s =
+    1000 B / decode_ms_per_token; the median too). transformers' loop syncs every step
+    (its own `generate` does as well): the median step after two warm-up steps;
   * KV cache bytes (`kv_cache.cache_bytes`) and the device's peak memory of the process.
 `--no-prefill` skips the prefill: the cache is created with every row's length set to C (its
 keys/values zeros; a decode step reads every visible entry whatever the values, so the step
@@ -76,24 +79,24 @@ def bench_ours(kind: str, args) -> list[dict]:
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
-    from cca_jax.decode import (decode_implementation, decode_step, offset_implementation,
-                                prefill)
+    from cca_jax.decode import decode_implementation, offset_implementation, prefill
+    from cca_jax.generate import decode_loop
     from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
     from cca_jax.model import LlamaForCausalLM
 
     contexts = [int(c) for c in args.contexts.split(",")]
+    steps = args.decode_warmup + args.decode_tokens
     p = PAPER_PATTERNS[kind]
     cfg = LlamaConfig(**SHAPES[args.shape],
-                      max_position_embeddings=_max_len(max(contexts), args.decode_tokens),
+                      max_position_embeddings=_max_len(max(contexts), steps),
                       attention=dict(kind=kind, group_size=p.group_size,
                                      window_size=p.window_size, sink_tokens=p.sink_tokens))
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-    model_state = nnx.split(model)
-    decode_impl = args.decode_impl or decode_implementation(cfg)
+    decode_impl = decode_implementation(cfg)
     rng = np.random.default_rng(0)
     records = []
     for context in contexts:
-        max_len = _max_len(context, args.decode_tokens)
+        max_len = _max_len(context, steps)
         chunk = args.chunk or context
         ids = rng.integers(0, cfg.vocab_size, (args.batch, context)).astype(np.int32)
 
@@ -133,18 +136,22 @@ def bench_ours(kind: str, args) -> list[dict]:
                 rec["check_chunk"] = args.check_chunk
             print(f"{kind} C={context} B={args.batch}: first call {first_s:.2f} s, "
                   f"TTFT {ttft:.3f} s", flush=True)
-        times = []
-        for _ in range(args.decode_tokens):
-            start = time.perf_counter()
-            logits, cache = decode_step(model_state, cache, token, None,
-                                        implementation=decode_impl)
-            token = jnp.argmax(logits, -1).astype(jnp.int32)
-            token.block_until_ready()
-            times.append((time.perf_counter() - start) * 1e3)
-        steady = times[DECODE_WARMUP:] or times
-        ms = statistics.median(steady)
+        # Decode as generate runs it (cca_jax.generate.decode_loop: pipelined, pooling only
+        # in steps that complete a slot): the mean time between tokens over --decode-tokens
+        # steps after --decode-warmup steps (which compile both step programs).
+        times, last = [], time.perf_counter()
+        for _ in decode_loop(model, cache, token, np.full(args.batch, context),
+                             max_new_tokens=args.decode_warmup + args.decode_tokens,
+                             key=jax.random.PRNGKey(0), stop_at_eos=False):
+            now = time.perf_counter()
+            times.append((now - last) * 1e3)
+            last = now
+        steady = times[args.decode_warmup:]
+        ms = statistics.mean(steady)
         stats = jax.devices()[0].memory_stats() or {}
-        rec.update(decode_ms_per_token=round(ms, 3), decode_first_step_ms=round(times[0], 1),
+        rec.update(decode_ms_per_token=round(ms, 3),
+                   decode_ms_median=round(statistics.median(steady), 3),
+                   decode_first_step_ms=round(times[1], 1), decode_steps=len(steady),
                    tokens_per_s=round(1e3 * args.batch / ms, 1),
                    kv_cache_bytes=cache_bytes(cache),
                    full_kv_cache_bytes=full_cache_bytes(cfg, args.batch, max_len),
@@ -246,11 +253,12 @@ def main(argv=None):
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: one chunk)")
-    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=32,
+                    help="timed decode steps (their mean is decode_ms_per_token)")
+    ap.add_argument("--decode-warmup", type=int, default=20,
+                    help="untimed steps first: more than g, so both step programs compile")
     ap.add_argument("--prefill-runs", type=int, default=2,
                     help="1: the TTFT includes compilation; 2: a second, warm run")
-    ap.add_argument("--decode-impl", default=None,
-                    help="decode attention: xla, pallas_gpu (default: decode_implementation)")
     ap.add_argument("--check-chunk", type=int, default=0,
                     help="also prefill in chunks of this size and compare the logits")
     ap.add_argument("--no-prefill", action="store_true",
@@ -274,7 +282,8 @@ def main(argv=None):
               *[f"- command: `{c}`" for c in sorted({r['command'] for r in records})],
               "- LLaMA-2-7B shape, random bf16 weights; cca g = 16, s = 1024; sliding W = 1024;"
               " streaming N = 4, W = 1024; greedy; TTFT = prefill + first token (warm run); "
-              "decode = median step after 2 warm-up steps; rows with TTFT '-' were measured "
+              "decode = mean time between tokens of a pipelined loop (ours), median step (hf); "
+              "rows with TTFT '-' were measured "
               "on a cache whose lengths were set to the context (--no-prefill)", ""]
     write_results(args.out, records, "\n".join(header + table(records)) + "\n")
 

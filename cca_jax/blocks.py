@@ -452,6 +452,13 @@ def completed_slot(pattern: AttentionPattern, t):
     return np.where(done, c, -1) if isinstance(done, np.ndarray) else jnp.where(done, c, -1)
 
 
+def completes_slot(pattern: AttentionPattern, t, num_slots: int):
+    """Whether the token at position `t` completes a slot the cache stores (`0 <= c < C`):
+    the decode steps that pool (numpy or jax, elementwise)."""
+    c = completed_slot(pattern, t)
+    return (c >= 0) & (c < num_slots)
+
+
 def _xp(x):
     """numpy for numpy inputs (host-side tables, tests), jax.numpy otherwise."""
     return np if isinstance(x, (np.ndarray, np.integer, int)) else jnp

@@ -423,7 +423,8 @@ def decode_implementation(cfg: LlamaConfig) -> str:
     return "xla"
 
 
-def _decode_step(model_state, cache: KVCache, tokens, active=None, implementation=None):
+def _decode_step(model_state, cache: KVCache, tokens, active=None, implementation=None,
+                 pool_slots: bool = True):
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -440,9 +441,10 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None, implementatio
     p = cache.lengths
     write = p % ring
     rows = jnp.arange(b)[:, None]
-    if num_slots:
+    pool_slots = pool_slots and num_slots > 0
+    if pool_slots:
         c = blocks.completed_slot(pat, p)
-        pooled = active & (c >= 0) & (c < num_slots)
+        pooled = active & blocks.completes_slot(pat, p, num_slots)
         slot = jnp.clip(c, 0, num_slots - 1)
         members = (p[:, None] - size + 1 + jnp.arange(size)) % ring
 
@@ -451,7 +453,7 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None, implementatio
         v_all = _set_entry(cache.v, i, write, v[:, 0], active)
         q = q.astype(k_all.dtype)
         ck, cv = cache.ck, cache.cv
-        if num_slots:
+        if pool_slots:
             k_members, v_members = k_all[i, rows, members], v_all[i, rows, members]
             q_group = jnp.concatenate([jnp.zeros((b, size - 1, *q.shape[2:]), q.dtype), q], 1)
             new_ck, new_cv = pool_core_tokens(q_group, k_members, v_members, group_size=size,
@@ -469,10 +471,12 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None, implementatio
 
 
 decode_step = jax.jit(_decode_step, donate_argnames=("cache",),
-                      static_argnames=("implementation",))
+                      static_argnames=("implementation", "pool_slots"))
 decode_step.__doc__ = """One token per row through the cache, jitted once, reused for every token:
 `decode_step(model_state, cache, tokens [B], active [B] bool | None) -> (logits [B, V], cache)`.
 `implementation`: a `DECODE_IMPLEMENTATIONS` name (default `decode_implementation(config)`).
+`pool_slots=False` skips pooling: only for a step where no active row's token completes a
+slot (`blocks.completes_slot`), which is 15 of 16 steps at g = 16; a second compiled program.
 
 `model_state = nnx.split(model)`. Row `b`'s token sits at position `cache.lengths[b]`; rows
 with `active[b]` False (finished sequences) write nothing and keep their length (their

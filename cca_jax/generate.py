@@ -4,9 +4,10 @@
     new_ids = generate(model, [[1, 450, 4996], [1, 9038]], max_new_tokens=32)
 
 runs every prompt in one batch (each row at its own position, group boundary and ring state):
-a chunked prefill (`cca_jax.decode.prefill`), then one jitted decode step per token
-(`cca_jax.decode.decode_step`, compiled once), sampling with `cca_jax.sampling`. Rows that
-emit an end-of-sequence token stop (they keep their cache and feed padding).
+a chunked prefill (`cca_jax.decode.prefill`), then one jitted step per token (`decode_loop`:
+`cca_jax.decode.decode_step` and the sampling of `cca_jax.sampling` in one program, compiled
+once, dispatched ahead of the host). Rows that emit an end-of-sequence token stop (they keep
+their cache and feed padding).
 
     python -m cca_jax.generate --ckpt DIR --prompt "Once upon a time" --max-new-tokens 64
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cca_jax import blocks
 from cca_jax.decode import DEFAULT_CHUNK_SIZE, decode_step, prefill
 from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
 from cca_jax.padding import round_up
@@ -134,8 +137,6 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
     pad = cfg.pad_token_id
     pad = pad if pad is not None and 0 <= pad < cfg.vocab_size else 0
 
-    from flax import nnx
-
     start = time.perf_counter()
     cache = init_cache(cfg, batch, max_len)
     stats.max_len = max_len
@@ -144,26 +145,80 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
     cache, logits = prefill(model, cache, ids, lengths, chunk_size=min(chunk_size, width))
     key = jax.random.PRNGKey(seed)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens = np.asarray(sample(logits, jax.random.fold_in(key, 0), **settings))
+    tokens = sample(logits, jax.random.fold_in(key, 0), **settings)
+    tokens.block_until_ready()
     stats.time_to_first_token = time.perf_counter() - start
-    done = np.zeros(batch, bool)
+    yield from decode_loop(model, cache, tokens, lengths, max_new_tokens=max_new_tokens,
+                           key=key, stop_at_eos=stop_at_eos, eos=eos, pad=pad, stats=stats,
+                           **settings)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",),
+                   static_argnames=("sampling", "stop_at_eos", "pool_slots"))
+def _advance(model_state, cache, tokens, done, step, key, eos, pad, *, sampling,
+             stop_at_eos, pool_slots):
+    """One token per row, on the device: rows whose last token was an EOS finish (they feed
+    `pad` and write nothing), the others decode it; the next tokens are sampled with the key
+    of `step + 1`. -> (next tokens, done, step + 1, cache)."""
+    if stop_at_eos:
+        done = done | jnp.isin(tokens, eos)
+    logits, cache = decode_step(model_state, cache, jnp.where(done, pad, tokens), ~done,
+                                pool_slots=pool_slots)
+    nxt = sample(logits, jax.random.fold_in(key, step + 1), **dict(sampling))
+    return nxt, done, step + 1, cache
+
+
+def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
+                temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, stop_at_eos: bool = True, eos=(), pad: int = 0,
+                stats: GenerationStats | None = None
+                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield `(tokens [B], emitted [B])` for `max_new_tokens` steps from the first sampled
+    `tokens` (device array) after a prefill that left row `b` at position `lengths[b]`.
+
+    Pipelined: step n + 1 is dispatched before the tokens of step n are read back, so the
+    device never waits for the host (a stop at EOS is seen one step late: that step is
+    computed and dropped). Steps where no running row completes a slot skip pooling
+    (`decode_step(pool_slots=False)`, decided from the host's positions). The cache is
+    consumed.
+    """
+    from flax import nnx
+
+    stats = stats if stats is not None else GenerationStats()
     model_state = nnx.split(model)
+    pattern, num_slots = cache.pattern, cache.num_slots
+    sampling = tuple(dict(temperature=temperature, top_k=top_k, top_p=top_p).items())
+    eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
+    positions = np.asarray(lengths, np.int64).copy()   # of the token each row feeds next
+    done_dev = jnp.zeros(len(positions), bool)
+    step_dev = jnp.zeros((), jnp.int32)
+    host_done = np.zeros(len(positions), bool)
     for step in range(max_new_tokens):
-        emitted = ~done
-        yield tokens, emitted
-        if stop_at_eos and eos:
-            done = done | (emitted & np.isin(tokens, eos))
-        if step == max_new_tokens - 1 or done.all():
-            break
-        feed = np.where(done, pad, tokens).astype(np.int32)
         t0 = time.perf_counter()
-        logits, cache = decode_step(model_state, cache, jnp.asarray(feed), jnp.asarray(~done))
-        tokens = np.asarray(sample(logits, jax.random.fold_in(key, step + 1), **settings))
-        if step == 0:
-            stats.first_decode_step_seconds = time.perf_counter() - t0
-        else:
-            stats.decode_tokens += int((~done).sum())
+        nxt = None
+        if step < max_new_tokens - 1:
+            running = positions[~host_done]
+            pool = bool(num_slots and blocks.completes_slot(pattern, running, num_slots).any())
+            nxt = _advance(model_state, cache, tokens, done_dev, step_dev, key, eos_ids, pad,
+                           sampling=sampling, stop_at_eos=bool(stop_at_eos and eos),
+                           pool_slots=pool)
+            cache = nxt[3]
+        emitted = ~np.asarray(done_dev)
+        out = np.asarray(tokens)
+        if step > 1:
+            stats.decode_tokens += int(emitted.sum())
             stats.decode_seconds += time.perf_counter() - t0
+        elif step == 1:
+            stats.first_decode_step_seconds = time.perf_counter() - t0
+        yield out, emitted
+        if stop_at_eos and eos:
+            host_done = ~emitted | np.isin(out, eos)
+        else:
+            host_done = ~emitted
+        if nxt is None or host_done.all():
+            return
+        tokens, done_dev, step_dev = nxt[0], nxt[1], nxt[2]
+        positions += 1
 
 
 def generate(model, input_ids, *, max_new_tokens: int, temperature: float = 0.0,

@@ -20,8 +20,7 @@ from flax import nnx
 
 import cca_jax.generate as gen
 from cca_jax.config import LlamaConfig
-from cca_jax.decode import decode_step
-from cca_jax.generate import TextStream, generate, main, stream_generate
+from cca_jax.generate import TextStream, _advance, generate, main, stream_generate
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sampling import sample
 from tests import hf_fixtures as fx
@@ -118,7 +117,8 @@ def test_rows_stop_at_eos_and_generation_compiles_once(tiny):
     again for another generate call of the same shapes."""
     model, greedy = tiny
     eos = greedy[0][3]
-    compiled = decode_step._cache_size()
+    list(stream_generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos))
+    compiled = _advance._cache_size()
     out = [[] for _ in PROMPTS]
     for tokens, emitted in stream_generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos):
         for b in np.flatnonzero(emitted):
@@ -127,7 +127,7 @@ def test_rows_stop_at_eos_and_generation_compiles_once(tiny):
         want = g[: g.index(eos) + 1] if eos in g else g
         assert out[b] == want
     assert out[0][-1] == eos and len(out[0]) <= 4
-    assert decode_step._cache_size() == compiled
+    assert _advance._cache_size() == compiled
     # Without stopping, the same tokens as before.
     again = list(stream_generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos,
                                  stop_at_eos=False))

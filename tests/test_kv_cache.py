@@ -306,13 +306,17 @@ def test_decode_equals_prefill(setup):
         pos = PROMPT_LENGTHS + step
         active = pos < ROW_LENGTHS
         tokens = s.ids[np.arange(3), np.minimum(pos, SEQ - 1)]
-        out, cache = decode_step(model_state, cache, jnp.asarray(tokens), jnp.asarray(active))
+        # Pooling only in steps where an active row completes a slot (as generate runs).
+        pool = bool(blocks.completes_slot(cache.pattern, pos[active], cache.num_slots).any())
+        out, cache = decode_step(model_state, cache, jnp.asarray(tokens), jnp.asarray(active),
+                                 pool_slots=pool)
         out = np.asarray(out)
         for b in np.flatnonzero(active):
             err_decode = max(err_decode, float(np.abs(out[b] - s.ref[b, pos[b]]).max()))
         if compiled is None:
             compiled = decode_step._cache_size()
-    assert decode_step._cache_size() == compiled       # no recompilation per token
+    # No recompilation per token: one program with pooling, one without.
+    assert decode_step._cache_size() <= compiled + 1
 
     chunked = init_cache(s.cfg, 3, MAX_LEN)
     chunked, _, logits = prefill(s.model, chunked, s.ids, ROW_LENGTHS, chunk_size=4,

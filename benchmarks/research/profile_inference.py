@@ -4,7 +4,8 @@
 
 Builds the LLaMA-2-7B-shaped model of `benchmarks/inference.py`, then
   decode:  a cache with every row's length set to the context (as `--no-prefill` there),
-           warm steps, then `--steps` steps under `jax.profiler.trace`;
+           `generate.decode_loop` (as generate runs), warm steps, then `--steps` steps under
+           the profiler, then as many untraced;
   prefill: (with `--prefill`) one warm `decode.prefill` of the context under the trace.
 The trace (`.xplane.pb`) is read with `jax.profiler.ProfileData`: for each phase it prints the
 wall time, the summed kernel time on the GPU streams, the kernel count, and the kernels that
@@ -23,6 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+WARMUP = 20   # decode steps before timing: more than g = 16, so both step programs compile
 
 
 def kernel_table(trace_dir: str, top: int) -> dict:
@@ -90,8 +92,7 @@ def main(argv=None):
     ap.add_argument("--impl", default="cca")
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--decode-impl", default=None)
+    ap.add_argument("--steps", type=int, default=16, help="traced steps (one in g pools)")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--shape", default="llama2-7b")
     ap.add_argument("--top", type=int, default=25)
@@ -108,49 +109,48 @@ def main(argv=None):
     from benchmarks.inference import SHAPES, _max_len
     from benchmarks.measure import PAPER_PATTERNS
     from cca_jax.config import LlamaConfig
-    from cca_jax.decode import decode_implementation, decode_step, prefill
+    from cca_jax.decode import decode_implementation, prefill
+    from cca_jax.generate import decode_loop
     from cca_jax.kv_cache import init_cache
     from cca_jax.model import LlamaForCausalLM
 
     os.makedirs(args.out, exist_ok=True)
     p = PAPER_PATTERNS[args.impl]
     cfg = LlamaConfig(**SHAPES[args.shape],
-                      max_position_embeddings=_max_len(args.context, 2 * args.steps + 4),
+                      max_position_embeddings=_max_len(args.context, WARMUP + 2 * args.steps + 2),
                       attention=dict(kind=args.impl, group_size=p.group_size,
                                      window_size=p.window_size, sink_tokens=p.sink_tokens))
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-    state = nnx.split(model)
-    impl = args.decode_impl or decode_implementation(cfg)
-    max_len = _max_len(args.context, 2 * args.steps + 4)
+    impl = decode_implementation(cfg)
+    max_len = _max_len(args.context, WARMUP + 2 * args.steps + 2)
     print(f"{args.impl} C={args.context} B={args.batch} decode={impl} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
 
     cache = init_cache(cfg, args.batch, max_len)
     cache = cache.replace(lengths=jnp.full((args.batch,), args.context, jnp.int32))
-    token = jnp.zeros((args.batch,), jnp.int32)
-
-    def steps(cache, token, n):
-        for _ in range(n):
-            logits, cache = decode_step(state, cache, token, None, implementation=impl)
-            token = jnp.argmax(logits, -1).astype(jnp.int32)
-            token.block_until_ready()
-        return cache, token
-
-    start = time.perf_counter()
-    cache, token = steps(cache, token, 1)
-    print(f"decode compile + first step {time.perf_counter() - start:.1f} s", flush=True)
-    cache, token = steps(cache, token, 3)
-    trace_dir = os.path.join(args.trace_dir, "decode")
-    with jax.profiler.trace(trace_dir):
-        start = time.perf_counter()
-        cache, token = steps(cache, token, args.steps)
-        wall = (time.perf_counter() - start) * 1e3
-    # Untraced, for the tracer's own overhead.
-    start = time.perf_counter()
-    cache, token = steps(cache, token, args.steps)
-    print(f"untraced decode {(time.perf_counter() - start) * 1e3 / args.steps:.3f} ms/step")
-    report("decode", wall, args.steps, kernel_table(trace_dir, args.top), args.out)
+    # As generate runs: pipelined steps, pooling only where a slot completes. The warm-up
+    # (more than g steps) compiles both step programs; traced and untraced runs follow.
+    loop = decode_loop(model, cache, jnp.zeros((args.batch,), jnp.int32),
+                       np.full(args.batch, args.context), key=jax.random.PRNGKey(0),
+                       max_new_tokens=WARMUP + 2 * args.steps + 1, stop_at_eos=False)
     del cache
+    start = time.perf_counter()
+    for _ in range(WARMUP):
+        next(loop)
+    print(f"decode warm-up (compiles) {time.perf_counter() - start:.1f} s", flush=True)
+    trace_dir = os.path.join(args.trace_dir, "decode")
+    jax.profiler.start_trace(trace_dir)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        next(loop)
+    wall = (time.perf_counter() - start) * 1e3
+    jax.profiler.stop_trace()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        next(loop)
+    print(f"untraced decode {(time.perf_counter() - start) * 1e3 / args.steps:.3f} ms/step")
+    loop.close()
+    report("decode", wall, args.steps, kernel_table(trace_dir, args.top), args.out)
 
     if args.prefill:
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.context))
