@@ -151,7 +151,7 @@ def bench_ours(kind: str, args) -> list[dict]:
         stats = jax.devices()[0].memory_stats() or {}
         rec.update(decode_ms_per_token=round(ms, 3),
                    decode_ms_median=round(statistics.median(steady), 3),
-                   decode_first_step_ms=round(times[1], 1), decode_steps=len(steady),
+                   decode_first_steps_ms=round(times[0] + times[1], 1), decode_steps=len(steady),
                    tokens_per_s=round(1e3 * args.batch / ms, 1),
                    kv_cache_bytes=cache_bytes(cache),
                    full_kv_cache_bytes=full_cache_bytes(cfg, args.batch, max_len),

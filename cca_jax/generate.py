@@ -208,8 +208,8 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
         if step > 1:
             stats.decode_tokens += int(emitted.sum())
             stats.decode_seconds += time.perf_counter() - t0
-        elif step == 1:
-            stats.first_decode_step_seconds = time.perf_counter() - t0
+        else:   # the first step's dispatch (compilation) and its tokens
+            stats.first_decode_step_seconds += time.perf_counter() - t0
         yield out, emitted
         if stop_at_eos and eos:
             host_done = ~emitted | np.isin(out, eos)
