@@ -5,8 +5,10 @@
     python benchmarks/train_bench.py --merge a.json b.json --out benchmarks/results/train_h200
 
 Runs the real CLI (random weights of the preset's shape, byte tokens of one document longer
-than all rows together, made by repeating the built-in text, no checkpoints) for `--steps` steps and records the median step time of the steps after the
-first (which compiles), tokens/s, MFU (train/flops.py) and the device's peak memory.
+than all rows together, made by repeating the built-in text, no checkpoints) for `--steps`
+steps and records the median step time of the steps after the first (which compiles),
+tokens/s, MFU (train/flops.py) and the device's peak memory. `--no-document-mask` runs the
+rows without segment ids (what lets full attention use cuDNN).
 Writes `<out>.json` (records: model, attention, seq_len, trainable, impl, step_s,
 tokens_per_s, mfu, peak_gib, device, jax, date, command) and `<out>.md`.
 """
@@ -76,14 +78,16 @@ def table(records) -> str:
              *[f"- command: `{c}`" for c in sorted({r['command'] for r in records})],
              "- batch 1 sequence, random weights, one long document (byte tokens), AdamW, "
              "full remat, bf16 params / float32 optimizer state", "",
-             "| model | attention | implementation | seq_len | trainable | step s | tokens/s "
-             "| MFU | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | attention | implementation | rows | seq_len | trainable | step s "
+             "| tokens/s | MFU | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = ["", "Implementation: `auto`'s choice. Rows with segment ids (the default document "
              "mask) run the Pallas kernels for every option; `--no-document-mask` rows carry "
              "none, and full attention runs through cuDNN."]
     for r in records:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"| {r['model']} | {r['attention']} | {r['impl']} | {r['seq_len']} | "
+        rows = "document mask" if r.get("document_mask", True) else "no mask"
+        lines.append(f"| {r['model']} | {r['attention']} | {r['impl']} | {rows} | {r['seq_len']} | "
                      f"{r['trainable']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | "
                      f"{r['peak_gib']:.1f} |")
     return "\n".join(lines + notes) + "\n"
