@@ -11,7 +11,7 @@ length): a virtual self-attention sequence is built per layer,
 (`blocks.ring_order`), the chunk's queries sit at their keys' rows and the `front` rows before
 them are padding (whole query blocks that see only themselves). Slots completed inside the
 chunk are pooled from that sequence with their last token's query (`blocks.chunk_slots`) and
-written into the cache's slots, then a blocked attention (`OFFSET_IMPLEMENTATIONS`: the Pallas
+written into the cache's slots, then a blocked attention (`attention.blocked`: the Pallas
 kernels on GPU/TPU, XLA elsewhere) runs with the per-row bounds of `blocks.chunk_ranges`, and
 the chunk's keys/values go into the ring. Memory: the cache plus one chunk (plus the ring
 once) per layer, at any prompt length. A first chunk (every row empty) is the model's own
@@ -35,9 +35,10 @@ import numpy as np
 from flax import nnx
 
 from cca_jax import blocks
-from cca_jax.attention import resolve_implementation, run_attention
+from cca_jax.attention import run_attention
+from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
 from cca_jax.attention.pooling import pool_core_tokens
-from cca_jax.attention.xla import Blocking, blocked_attention
+from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
 from cca_jax.kv_cache import KVCache
 from cca_jax.padding import round_up
@@ -164,35 +165,11 @@ def chunk_blocking(chunk: int, ring: int, num_slots: int, head_dim: int):
                            round_up(front + chunk, block_q), round_up(max(num_slots, 1), block_c))
 
 
-def _blocked_xla(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
-    return blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)
-
-
-def _blocked_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
-    from pallas_kernels.gpu import blocked_attention_pallas_gpu  # lazy: kernels import us
-    return blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
-
-
-def _blocked_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
-    from pallas_kernels.tpu import blocked_attention_pallas_tpu
-    return blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
-
-
-# Implementations that take per-row bounds of any shape: what a chunk at an offset needs
-# (its keys are the ring plus itself, not a row from position 0).
-OFFSET_IMPLEMENTATIONS = {"xla": _blocked_xla, "pallas_gpu": _blocked_pallas_gpu,
-                          "pallas_tpu": _blocked_pallas_tpu}
-
-
 def offset_implementation(cfg: LlamaConfig) -> str:
-    """The implementation of prefill chunks at an offset: the model's when it takes per-row
-    bounds, else what `auto` picks for packed rows (cuDNN takes none); `xla` where that
-    implementation has no offset form."""
-    name = cfg.attention.implementation
-    if name not in OFFSET_IMPLEMENTATIONS:
-        name = resolve_implementation("auto", pattern=cfg.attention.pattern,
-                                      head_dim=cfg.head_dim, dtype=cfg.dtype, packed=True)
-    return name if name in OFFSET_IMPLEMENTATIONS else "xla"
+    """The implementation of prefill chunks at an offset (`attention.blocked`): the model's
+    where it takes per-row bounds, else what `auto` picks for packed rows, else `xla`."""
+    return blocked_implementation(cfg.attention.implementation, pattern=cfg.attention.pattern,
+                                  head_dim=cfg.head_dim, dtype=cfg.dtype)
 
 
 def _first_slots(x, i, new, done):
@@ -243,7 +220,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
     front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
     total = front + n
-    blocked = OFFSET_IMPLEMENTATIONS[offset_implementation(cfg)]
+    blocked = BLOCKED_IMPLEMENTATIONS[offset_implementation(cfg)]
 
     p0 = cache.lengths
     r = jnp.arange(n, dtype=jnp.int32)

@@ -214,7 +214,8 @@ def _run_sequence_sharded(q, k, v, pattern, pooling, implementation, segment_ids
     if sharding.splits(pattern):
         return sequence_sharded_attention(q, k, v, pattern, mesh=sharding.mesh,
                                           axis=sharding.axis, segment_ids=segment_ids,
-                                          pooling=pooling, zigzag=True, layout=sharding.layout)
+                                          pooling=pooling, zigzag=True, layout=sharding.layout,
+                                          implementation=implementation)
     plain = functools.partial(run_attention, pattern=pattern, pooling=pooling,
                               implementation=implementation)
     if sharding.layout == "natural" or sharding.shards == 1:   # rows already in natural order

@@ -19,12 +19,13 @@ never moves the full K/V between devices:
     `L` ints. The pooled slots (`ceil(C / slot_size)` per chunk, at most `m` in all) are
     all-gathered over `axis` and put back into the global slot order (a gather of `m` small
     rows), so every row's visible slots are the contiguous range `[core_lo, core_hi)`.
-  * Each chunk then runs `xla.blocked_attention` on the virtual sequence
+  * Each chunk then runs the blocked attention of `implementation` (`attention.blocked`: the
+    Pallas kernels on GPU / TPU, `xla.blocked_attention` elsewhere) on the virtual sequence
     `[halo (H rows) ++ chunk (C rows)]`: query rows of the halo are zeros that see only keys
     `0 .. r` (finite, discarded; bounds stay non-decreasing as `blocks` requires), chunk row
     `H + i` is the query at position `t = c * C + i`, with `raw_lo(t) - (c * C - H)` and the
     global `core_lo(t), core_hi(t)`, all sliced from `pattern_ranges` (never re-derived here).
-    Gradients come from `blocked_attention`'s custom VJP and from JAX's transposes of
+    Gradients come from the blocked attention's custom VJP and from JAX's transposes of
     ppermute (halo gradients go back to the previous chunk) and all_gather (reduce-scatter of
     the slots' gradients to their owners).
 
@@ -67,7 +68,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from cca_jax.attention.pooling import pool_core_tokens
-from cca_jax.attention.xla import blocked_attention, default_blocking
+from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
+from cca_jax.attention.xla import default_blocking
 from cca_jax.blocks import AttentionPattern, pattern_ranges
 from cca_jax.sharding import LOGICAL_RULES
 
@@ -249,7 +251,7 @@ def _halos(chunks_kv, i, n: int, axis: str, halo: int, zigzag: bool):
 # ---- one shard ---------------------------------------------------------------------------------
 
 def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: SequenceLayout,
-           axis: str, zigzag: bool, natural: bool):
+           axis: str, zigzag: bool, natural: bool, blocked):
     n, nc, c_len, halo, m, cap = lay
     length = nc * c_len
     size = pattern.slot_size
@@ -322,7 +324,7 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
         rlo = jnp.concatenate([pad, rows(raw_lo) - off], axis=1)
         lo = jnp.concatenate([pad, rows(core_lo)], axis=1)
         hi = jnp.concatenate([pad, rows(core_hi)], axis=1)
-        outs.append(blocked_attention(qx, kx, vx, ck, cv, rlo, lo, hi, blocking)[:, halo:])
+        outs.append(blocked(qx, kx, vx, ck, cv, rlo, lo, hi, blocking)[:, halo:])
     if zigzag and natural:
         return _zigzag_to_natural(outs[0], outs[1], i, n, axis)
     return jnp.concatenate(outs, axis=1)
@@ -332,7 +334,8 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                pattern: AttentionPattern, *, mesh: Mesh,
                                axis: str = "sequence", segment_ids: jax.Array | None = None,
                                pooling: str = "cca", zigzag: bool = True,
-                               layout: str = "natural") -> jax.Array:
+                               layout: str = "natural", implementation: str = "auto"
+                               ) -> jax.Array:
     """`run_attention(q, k, v, pattern, segment_ids=..., pooling=...)` with the sequence
     sharded over mesh axis `axis` (module docstring): halos by ppermute, slots all-gathered.
 
@@ -340,8 +343,9 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     `[B, L]` ints (packed documents). Batch is split over the mesh axes of
     `LOGICAL_RULES["batch"]` and heads over `LOGICAL_RULES["heads"]` where they divide it
     (else replicated); the sequence over `axis`. layout: "natural" or "zigzag" (rows already
-    in `zigzag_permutation` order, output likewise; needs zigzag=True). Returns
-    `[B, L, Hq, D]` in q's dtype, in the rows' layout.
+    in `zigzag_permutation` order, output likewise; needs zigzag=True). implementation: what
+    each chunk runs (`attention.blocked.blocked_implementation`; "auto": the Pallas kernels
+    on GPU / TPU). Returns `[B, L, Hq, D]` in q's dtype, in the rows' layout.
     """
     from cca_jax.attention import _check_inputs   # lazy: the package may import this module
     from cca_jax.attention.pooling import POOLING_FNS
@@ -372,8 +376,11 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     seg_spec = PartitionSpec(batch, axis)
     # check_vma=False: blocked_attention's loops start from unsharded zeros (an invariant
     # carry that the body makes varying); the per-shard program is the same either way.
+    name = blocked_implementation(implementation, pattern=pattern, head_dim=q.shape[-1],
+                                  dtype=q.dtype)
     body = functools.partial(_shard, pattern=pattern, pooling=pooling, lay=lay, axis=axis,
-                             zigzag=zigzag, natural=layout == "natural")
+                             zigzag=zigzag, natural=layout == "natural",
+                             blocked=BLOCKED_IMPLEMENTATIONS[name])
     if segment_ids is None:
         fn = jax.shard_map(lambda q_, k_, v_: body(q_, k_, v_, None), mesh=mesh,
                            in_specs=(x_spec, x_spec, x_spec), out_specs=x_spec,
