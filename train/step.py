@@ -79,12 +79,13 @@ def model_apply(graphdef, abstract_state) -> Callable:
     return apply
 
 
-def chunked_cross_entropy(hidden, weight, targets, mask, chunk: int):
-    """Sum of masked token losses and the token count, without `[L, vocab]` logits at once.
+def chunk_cross_entropy(hidden, weight, targets, mask, chunk: int):
+    """Per chunk of `chunk` tokens: (masked token loss sums `[n]`, token counts `[n]`),
+    without `[L, vocab]` logits at once.
 
-    hidden `[B, L, H]`, weight `[H, V]`, targets int `[B, L]`, mask float `[B, L]`. The
-    sequence is cut into chunks of `chunk` tokens; each chunk's float32 logits exist only
-    inside a rematerialized map step, so the backward recomputes them chunk by chunk too.
+    hidden `[B, L, H]`, weight `[H, V]`, targets int `[B, L]`, mask float `[B, L]`. Each
+    chunk's float32 logits exist only inside a rematerialized map step, so the backward
+    recomputes them chunk by chunk too. The last chunk is padded (mask 0).
     """
     b, length, h = hidden.shape
     chunk = min(chunk, length)
@@ -103,9 +104,15 @@ def chunked_cross_entropy(hidden, weight, targets, mask, chunk: int):
         logits = jnp.dot(hid, weight.astype(hid.dtype), preferred_element_type=jnp.float32)
         nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
             logits, tgt[..., None], axis=-1)[..., 0]
-        return jnp.sum(nll * msk)
+        return jnp.sum(nll * msk), jnp.sum(msk)
 
-    return jnp.sum(jax.lax.map(one, xs)), jnp.sum(mask)
+    return jax.lax.map(one, xs)
+
+
+def chunked_cross_entropy(hidden, weight, targets, mask, chunk: int):
+    """(sum of masked token losses, token count) over `[B, L]` (`chunk_cross_entropy`)."""
+    sums, counts = chunk_cross_entropy(hidden, weight, targets, mask, chunk)
+    return jnp.sum(sums), jnp.sum(counts)
 
 
 BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")

@@ -11,7 +11,7 @@ The protocol (`perplexity(model, ids, seq_len, stride)`):
 - ppl = exp(mean negative log-likelihood over all scored tokens).
 
 Logits never exist for a whole window: the final hidden states are cut into chunks of
-`chunk` positions and `train.step.chunked_cross_entropy` (the training loss) gives each
+`chunk` positions and `train.step.chunk_cross_entropy` (the training loss) gives each
 chunk's summed NLL, which is also the perplexity-by-position curve.
 """
 
@@ -90,31 +90,15 @@ def chunk_nll_fn(model, chunk: int):
     over window positions cut into chunks of `chunk` (one compile per batch shape)."""
     from flax import nnx
 
-    from train.step import chunked_cross_entropy
+    from train.step import chunk_cross_entropy
 
     graphdef, _ = nnx.split(model)
 
     @jax.jit
     def fn(state, inputs, targets, mask):
         m = nnx.merge(graphdef, state)
-        hidden = m.hidden_states(inputs)
-        weight = m.output_weight()
-        b, length, h = hidden.shape
-        pad = -length % chunk
-        if pad:
-            hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-            targets = jnp.pad(targets, ((0, 0), (0, pad)))
-            mask = jnp.pad(mask, ((0, 0), (0, pad)))
-        n = hidden.shape[1] // chunk
-
-        def split(x):
-            return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
-
-        def one(xs):
-            hid, tgt, msk = xs
-            return chunked_cross_entropy(hid, weight, tgt, msk, chunk)
-
-        return jax.lax.map(one, (split(hidden), split(targets), split(mask)))
+        return chunk_cross_entropy(m.hidden_states(inputs), m.output_weight(), targets, mask,
+                                   chunk)
 
     return fn
 
