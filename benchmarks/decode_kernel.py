@@ -188,6 +188,9 @@ def main():
     deadline = start + args.budget_s
     sweep_cases = [tuple(int(x) for x in c.split("x")) for c in args.sweep_cases.split(",")
                    if c]
+    # Only cases of the main table (its XLA row is the sweep's reference).
+    sweep_cases = [c for c in sweep_cases if c[0] in args.batch and c[1] in args.kv_heads
+                   and tuple(c[2:]) in CONTEXTS]
     records = []
     for batch in args.batch:          # every case: XLA and the default tiling
         for hkv in args.kv_heads:
