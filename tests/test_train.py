@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cca_jax.checkpoint import restore_params
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import unnamed_params
@@ -116,6 +117,12 @@ def test_run_learns_resumes_exactly_and_is_deterministic(tmp_path):
     assert finetune.main(TINY_ARGS + ["--steps", "6", "--out", str(resumed)]) == 0
     a, b = _losses(straight), _losses(resumed)
     assert len(a) == 6 and a == b, (a, b)
+    # The longer rerun exported again; the first export is kept beside it.
+    want, got = (steps.flatten(restore_params(out / "final")) for out in (straight, resumed))
+    assert want.keys() == got.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert json.loads((resumed / "final" / "trained_steps.json").read_text()) == {"step": 6}
+    assert json.loads((resumed / "final-step3" / "trained_steps.json").read_text()) == {
+        "step": 3}
     assert a[-1] < a[0] - 0.5, a
     record = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(record)

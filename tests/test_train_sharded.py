@@ -235,34 +235,39 @@ def _free_port() -> int:
 
 # cca (window 8, group 4: halo 10) over sequence=8 with 160 tokens: 16 chunks of 10 rows, so
 # halos, slots and gradients cross the two processes (devices 0-3 and 4-7 of the mesh).
-MULTI_ARGS = ["--preset", "tiny", "--steps", "2", "--seq-len", "160", "--window-size", "8",
+MULTI_ARGS = ["--preset", "tiny", "--seq-len", "160", "--window-size", "8",
               "--mesh", "sequence=8", "--save-every", "2", "--no-export-hf"]
 
 
 @needs_8
-@pytest.mark.slow      # ~95 s of CPU: one process runs the command, then two processes
-def test_two_processes_equal_one(tmp_path):
-    """`python -m train.finetune --coordinator ... --num-processes 2 --process-id I`, twice on
-    localhost with 4 CPU devices each (gloo collectives), logs the losses of the same command
-    run by one process on 8 devices, and exports the same parameters."""
+@pytest.mark.slow      # ~150 s of CPU: one process runs the command, then two processes twice
+def test_two_processes_equal_one_and_resume(tmp_path):
+    """`python -m train.finetune --coordinator ... --num-processes 2 --process-id I`, on
+    localhost with 4 CPU devices each (gloo collectives): stopped after 2 steps and rerun with
+    `--steps 4` (each process restores the checkpoint: params, optimizer state, step, data
+    position), it logs the losses of one uninterrupted process on 8 devices and exports the
+    same parameters."""
     single = tmp_path / "single"
-    assert finetune.main(MULTI_ARGS + ["--out", str(single)]) == 0
+    assert finetune.main(MULTI_ARGS + ["--steps", "4", "--out", str(single)]) == 0
     multi = tmp_path / "multi"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    launch = MULTI_ARGS + ["--out", str(multi), "--coordinator", f"localhost:{_free_port()}",
-                           "--num-processes", "2"]
-    procs = [subprocess.Popen([sys.executable, "-m", "train.finetune", *launch,
-                               "--process-id", str(i)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    for total in (2, 4):
+        launch = MULTI_ARGS + ["--steps", str(total), "--out", str(multi),
+                               "--coordinator", f"localhost:{_free_port()}",
+                               "--num-processes", "2"]
+        procs = [subprocess.Popen([sys.executable, "-m", "train.finetune", *launch,
+                                   "--process-id", str(i)], env=env, cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
 
     def losses(out):
         lines = (out / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line)["loss"] for line in lines]
     # the same program on the same mesh; only the collectives' transport differs
+    assert len(losses(single)) == 4
     np.testing.assert_allclose(losses(multi), losses(single), rtol=1e-6)
     want, got = (steps.flatten(restore_params(out / "final")) for out in (single, multi))
     assert want.keys() == got.keys()

@@ -140,29 +140,59 @@ def _device_batch(batch: dict, cfg: TrainConfig, sharding, sequence_sharding) ->
     return multihost.global_batch(steps.in_row_order(shaped, sequence_sharding), sharding)
 
 
-def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig) -> None:
+EXPORT_STEP = "trained_steps.json"   # in OUT/final: the step its parameters are from
+
+
+def _exported_step(final: Path) -> int | None:
+    """The step of the parameters in OUT/final (0 if it predates the marker), None if absent."""
+    if not final.exists():
+        return None
+    marker = final / EXPORT_STEP
+    return json.loads(marker.read_text())["step"] if marker.exists() else 0
+
+
+def _set_aside(path: Path, tag: str) -> None:
+    """Rename `path` to `<name>-<tag>` (a free name): kept, never overwritten or deleted."""
+    target, n = path.with_name(f"{path.name}-{tag}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}-{tag}-{n}")
+    path.rename(target)
+
+
+def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig, step: int) -> None:
     """OUT/final (our format, saved by every process together, as orbax does) and OUT/hf
-    (process 0)."""
+    (process 0), of the parameters after `step` steps. A longer rerun of the run exports
+    again: the earlier export moves to OUT/final-step<K> (and hf-step<K>)."""
     from cca_jax.checkpoint import save_pretrained
     from convert.flax_to_hf import convert_flax_to_hf
 
-    final = out / "final"
+    final, hf = out / "final", out / "hf"
     params = multihost.to_host(steps.merge_params(state.trainable, state.frozen))
     multihost.barrier("export")
-    needed = not final.exists()
+    earlier = _exported_step(final)
     multihost.barrier("export decided")     # every process takes the same branch
-    if needed:
+    if earlier == step and (hf.exists() or not cfg.export_hf):
+        return
+    if earlier != step:
+        if multihost.is_main() and earlier is not None:
+            _set_aside(final, f"step{earlier}")
+            if hf.exists():
+                _set_aside(hf, f"step{earlier}")
+        multihost.barrier("export moved")
         save_pretrained(final, params, model_cfg)
     if not multihost.is_main():
         return
-    if needed and cfg.checkpoint is not None:
-        for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json"):
-            src = Path(cfg.checkpoint) / name
-            if src.exists():
-                (final / name).write_bytes(src.read_bytes())
-    if cfg.export_hf and not (out / "hf").exists():
-        convert_flax_to_hf(final, out / "hf", verbose=False)
+    if earlier != step:
+        (final / EXPORT_STEP).write_text(json.dumps({"step": step}))
+        if cfg.checkpoint is not None:
+            for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                         "special_tokens_map.json"):
+                src = Path(cfg.checkpoint) / name
+                if src.exists():
+                    (final / name).write_bytes(src.read_bytes())
+    if cfg.export_hf and not hf.exists():
+        convert_flax_to_hf(final, hf, verbose=False)
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -264,7 +294,7 @@ def run(cfg: TrainConfig) -> dict:
     manager.wait_until_finished()
     manager.close()
     if cfg.save_every:
-        _export(out, state, model_cfg, cfg)
+        _export(out, state, model_cfg, cfg, cfg.steps)
     multihost.barrier("run done")   # no process leaves while another still exports
     return {"losses": losses, "out": str(out)}
 
