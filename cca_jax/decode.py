@@ -221,6 +221,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
     total = front + n
     blocked = BLOCKED_IMPLEMENTATIONS[offset_implementation(cfg)]
+    window = blocks.widest_window(pat, cache.max_len)   # raw keys of one query, at most
 
     p0 = cache.lengths
     r = jnp.arange(n, dtype=jnp.int32)
@@ -256,7 +257,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
                                               pooling=cfg.attention.pooling, group_start=start)
             ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
         out = blocked(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo, core_hi,
-                      blocking)[:, front:]
+                      blocking, window)[:, front:]
         cache = cache.replace(k=_put_layer(cache.k, i, _ring_after_chunk(ring_k, k, p0, end)),
                               v=_put_layer(cache.v, i, _ring_after_chunk(ring_v, v, p0, end)),
                               ck=ck, cv=cv)

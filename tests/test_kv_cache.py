@@ -415,15 +415,16 @@ def test_bad_inputs_are_refused():
 
 
 @pytest.mark.slow
-def test_chunked_prefill_through_pallas_gpu_kernels():
-    """Chunks at an offset run through the Pallas GPU kernels (interpret mode here) when the
-    model's implementation is pallas_gpu: a prefill in chunks of 8 (the later ones with ring
-    rows in front, `chunk_blocking`) gives the full forward's logits and the cache of the
-    reference implementation."""
+@pytest.mark.parametrize("kernels", ["pallas_gpu", "pallas_tpu"])
+def test_chunked_prefill_through_pallas_kernels(kernels):
+    """Chunks at an offset run through the Pallas GPU / TPU kernels (interpreters here) when
+    the model's implementation is theirs: a prefill in chunks of 8 (the later ones with ring
+    rows in front, `chunk_blocking`; the TPU grid sized by the widest raw window) gives the
+    full forward's logits and the cache of the reference implementation."""
     cfg = TINY.replace(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=64, num_hidden_layers=1, attention="cca", group_size=4,
                        window_size=6,
-                       implementation="pallas_gpu")
+                       implementation=kernels)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda p: p * WEIGHT_SCALE if p.ndim > 1 else p, params))

@@ -124,11 +124,13 @@ def test_matches_single_device(case):
     _check(*case)
 
 
-def test_chunks_through_the_pallas_gpu_kernels():
-    """implementation='pallas_gpu' (interpreted on CPU): every chunk runs the Pallas GPU
-    kernels (per-row bounds, custom VJP) inside the shard_map; output and gradients equal
-    one device's xla attention. Packed rows, zigzag on 2 shards (4 chunks of 32 rows, halo
-    10)."""
+@pytest.mark.parametrize("kernels", ["pallas_gpu",
+                                     pytest.param("pallas_tpu", marks=pytest.mark.slow)])
+def test_chunks_through_the_pallas_kernels(kernels):
+    """implementation='pallas_gpu' / 'pallas_tpu' (interpreted on CPU): every chunk runs the
+    Pallas kernels (per-row bounds, custom VJP; the TPU grid sized by the widest raw window)
+    inside the shard_map; output and gradients equal one device's xla attention. Packed rows,
+    zigzag on 2 shards (4 chunks of 32 rows, halo 10)."""
     pattern = AttentionPattern("cca", group_size=4, window_size=8)
     rng = np.random.default_rng(3)
     q, k, v, cot = (jnp.asarray(rng.standard_normal((1, 128, h, 64)), jnp.float32)
@@ -137,7 +139,7 @@ def test_chunks_through_the_pallas_gpu_kernels():
     sharded = jax.jit(functools.partial(_out_and_grads, lambda q, k, v, seg: (
         sequence_sharded_attention(q, k, v, pattern, segment_ids=seg,
                                    mesh=make_mesh({"sequence": 2}, devices=jax.devices()[:2]),
-                                   implementation="pallas_gpu"))))
+                                   implementation=kernels))))
     single = jax.jit(functools.partial(_out_and_grads, lambda q, k, v, seg: run_attention(
         q, k, v, pattern, implementation="xla", segment_ids=seg)))
     (out, grads), (ref, ref_grads) = (f(q, k, v, cot, seg) for f in (sharded, single))

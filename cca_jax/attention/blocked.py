@@ -1,8 +1,9 @@
 """Blocked attention with per-row bounds, by implementation.
 
-`blocked(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)`: one softmax per row over raw
-keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])` (`xla.blocked_attention`'s
-contract; differentiable). Every implementation but cuDNN takes that form, and it is what a
+`blocked(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window)`: one softmax per row
+over raw keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])` (`xla.blocked_attention`'s
+contract; differentiable). `window`: the most raw keys any row sees (the TPU kernels size
+their static grid with it; None: every key block). Every implementation but cuDNN takes that form, and it is what a
 sequence that does not start at row 0 of its keys needs: a prefill chunk at an offset (keys:
 the cache's ring plus the chunk, `cca_jax.decode`) and one chunk of a sequence-sharded row
 (keys: a halo plus the chunk, `sequence_parallel`). `blocking` tiles the XLA form; the
@@ -14,18 +15,20 @@ from __future__ import annotations
 from cca_jax.attention.xla import blocked_attention
 
 
-def _xla(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
+def _xla(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window=None):
     return blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)
 
 
-def _pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
+def _pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window=None):
     from pallas_kernels.gpu import blocked_attention_pallas_gpu  # lazy: kernels import us
     return blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
 
 
-def _pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
+def _pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window=None):
     from pallas_kernels.tpu import blocked_attention_pallas_tpu
-    return blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
+    window = None if window is None else min(window, q.shape[1])
+    return blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi,
+                                        window=window)
 
 
 BLOCKED_IMPLEMENTATIONS = {"xla": _xla, "pallas_gpu": _pallas_gpu, "pallas_tpu": _pallas_tpu}

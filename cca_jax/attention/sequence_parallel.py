@@ -70,7 +70,7 @@ from jax.sharding import Mesh, PartitionSpec
 from cca_jax.attention.pooling import pool_core_tokens
 from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
 from cca_jax.attention.xla import default_blocking
-from cca_jax.blocks import AttentionPattern, pattern_ranges
+from cca_jax.blocks import AttentionPattern, pattern_ranges, widest_window
 from cca_jax.sharding import LOGICAL_RULES
 
 __all__ = ["sequence_sharded_attention", "zigzag_permutation", "sequence_layout",
@@ -144,18 +144,12 @@ class SequenceSharding:
         return np.arange(length)
 
 
-def _widest_window(pattern: AttentionPattern, length: int) -> int:
-    """The most raw keys one query sees: `max(t - raw_start(t) + 1)` over `t < length`."""
-    t = np.arange(length, dtype=np.int64)
-    return int(np.max(t - pattern.raw_start(t) + 1))
-
-
 def halo_rows(pattern: AttentionPattern, length: int, *, packed: bool = False) -> int:
     """Raw k/v rows a chunk needs from the chunk before it: the widest raw window less one,
     and a slot's tokens before its last one (cca: s + g - 2 once a group is pooled)."""
     size = pattern.slot_size
     pooled = pattern.max_slots(length, packed=packed) > 0
-    return max(_widest_window(pattern, length) - 1, size - 1 if pooled else 0)
+    return max(widest_window(pattern, length) - 1, size - 1 if pooled else 0)
 
 
 def sequence_layout(pattern: AttentionPattern, length: int, shards: int, *,
@@ -317,6 +311,7 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
         cv = jnp.zeros((b, 0, hq, d), v.dtype)
 
     blocking = default_blocking(halo + c_len, m, d)
+    window = max(widest_window(pattern, length), halo + 1)   # halo rows see keys 0 .. r
     pad = jnp.zeros((b, halo), jnp.int32)
     outs = []
     for ch, off, qx, kx, vx in zip(chunk_ids, offsets, qs, ks, vs):
@@ -324,7 +319,7 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
         rlo = jnp.concatenate([pad, rows(raw_lo) - off], axis=1)
         lo = jnp.concatenate([pad, rows(core_lo)], axis=1)
         hi = jnp.concatenate([pad, rows(core_hi)], axis=1)
-        outs.append(blocked(qx, kx, vx, ck, cv, rlo, lo, hi, blocking)[:, halo:])
+        outs.append(blocked(qx, kx, vx, ck, cv, rlo, lo, hi, blocking, window)[:, halo:])
     if zigzag and natural:
         return _zigzag_to_natural(outs[0], outs[1], i, n, axis)
     return jnp.concatenate(outs, axis=1)
