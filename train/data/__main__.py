@@ -2,6 +2,7 @@
 
     python -m train.data --bench                                   # builtin text, bytes
     python -m train.data --bench --tokenizer CKPT_DIR_OR_TOKENIZER_FILE --seq-len 8192
+    python -m train.data --bench ... --out results.jsonl      # also append a JSON record
 
 `--tokenizer` takes a checkpoint directory or a lone tokenizer.model / tokenizer.json file.
 Counts input tokens of batches after the first (setup and preparation are reported apart).
@@ -10,6 +11,9 @@ Counts input tokens of batches after the first (setup and preparation are report
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import shutil
 import sys
 import tempfile
@@ -42,6 +46,14 @@ def bench(args: argparse.Namespace) -> float:
     print(f"source {args.source}  tokenizer {tokenizer!r}  seq_len {args.seq_len}  "
           f"batch {args.batch_size}: setup + first batch {setup:.2f} s, then {n} batches in "
           f"{dt:.2f} s: {rate:,.0f} tokens/s")
+    if args.out:
+        record = dict(source=args.source, tokenizer=repr(tokenizer), seq_len=args.seq_len,
+                      batch_size=args.batch_size, setup_s=round(setup, 2), batches=n,
+                      seconds=round(dt, 2), tokens_per_s=round(rate), cpus=os.cpu_count(),
+                      date=str(datetime.date.today()),
+                      command="python -m train.data " + " ".join(sys.argv[1:]))
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
     return rate
 
 
@@ -59,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--text-field", default="text")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", default=None, help="append a JSON record to this file")
     args = p.parse_args(argv)
     if not args.bench:
         p.error("nothing to do: pass --bench")
