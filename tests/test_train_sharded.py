@@ -153,6 +153,7 @@ def test_sharded_step_equals_single_device(kind, mesh, remat):
 
 
 @needs_8
+@pytest.mark.slow      # ~16 s; test_train.py checks the same rows on one device by default
 def test_rows_across_documents_under_sequence_sharding_equal_single_device():
     """--no-document-mask: positions 0..L-1 follow the zigzag row order; no segment ids."""
     _, (loss1, _, grads1) = compiled_step("cca", None, document_mask=False)
