@@ -73,12 +73,8 @@ def _layer(x, i):
 
 
 def _scatter(x, i, rows, index, update):
-    """`x[i, rows, index] = update`; out-of-range indices (the size of the axis) drop.
-
-    The write goes to layer `i`'s slice, which then replaces that layer in `x` with one
-    `dynamic_update_slice`: XLA updates a loop-carried buffer in place that way (a scatter
-    into the whole stacked cache made it copy the cache, 2x its memory, on every call).
-    """
+    """`x[i, rows, index] = update`; out-of-range indices (the size of the axis) drop. The
+    scatter goes into layer `i`'s slice, which `_put_layer` puts back (in place)."""
     return _put_layer(x, i, _layer(x, i).at[rows, index].set(update.astype(x.dtype),
                                                              mode="drop"))
 

@@ -166,32 +166,26 @@ def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig, step: in
     again: the earlier export moves to OUT/final-step<K> (and hf-step<K>)."""
     from cca_jax.checkpoint import save_pretrained
     from convert.flax_to_hf import convert_flax_to_hf
+    from convert.hf_io import copy_tokenizer_files
 
     final, hf = out / "final", out / "hf"
     params = multihost.to_host(steps.merge_params(state.trainable, state.frozen))
     multihost.barrier("export")
     earlier = _exported_step(final)
     multihost.barrier("export decided")     # every process takes the same branch
-    if earlier == step and (hf.exists() or not cfg.export_hf):
-        return
+    main = multihost.is_main()
     if earlier != step:
-        if multihost.is_main() and earlier is not None:
+        if main and earlier is not None:
             _set_aside(final, f"step{earlier}")
             if hf.exists():
                 _set_aside(hf, f"step{earlier}")
         multihost.barrier("export moved")
         save_pretrained(final, params, model_cfg)
-    if not multihost.is_main():
-        return
-    if earlier != step:
-        (final / EXPORT_STEP).write_text(json.dumps({"step": step}))
-        if cfg.checkpoint is not None:
-            for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                         "special_tokens_map.json"):
-                src = Path(cfg.checkpoint) / name
-                if src.exists():
-                    (final / name).write_bytes(src.read_bytes())
-    if cfg.export_hf and not hf.exists():
+        if main:
+            (final / EXPORT_STEP).write_text(json.dumps({"step": step}))
+            if cfg.checkpoint is not None:
+                copy_tokenizer_files(Path(cfg.checkpoint), final)
+    if main and cfg.export_hf and not hf.exists():
         convert_flax_to_hf(final, hf, verbose=False)
 
 

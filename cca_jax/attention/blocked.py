@@ -3,11 +3,13 @@
 `blocked(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window)`: one softmax per row
 over raw keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])` (`xla.blocked_attention`'s
 contract; differentiable). `window`: the most raw keys any row sees (the TPU kernels size
-their static grid with it; None: every key block). Every implementation but cuDNN takes that form, and it is what a
-sequence that does not start at row 0 of its keys needs: a prefill chunk at an offset (keys:
-the cache's ring plus the chunk, `cca_jax.decode`) and one chunk of a sequence-sharded row
-(keys: a halo plus the chunk, `sequence_parallel`). `blocking` tiles the XLA form; the
+their static grid with it; None: every key block). `blocking` tiles the XLA form; the
 kernels choose their own.
+
+Every implementation but cuDNN takes that form, and it is what a sequence that does not
+start at row 0 of its keys needs: a prefill chunk at an offset (keys: the cache's ring plus
+the chunk, `cca_jax.decode`) and one chunk of a sequence-sharded row (keys: a halo plus the
+chunk, `sequence_parallel`).
 """
 
 from __future__ import annotations
