@@ -141,7 +141,7 @@ def bench_ours(kind: str, args) -> list[dict]:
         # steps after --decode-warmup steps (which compile both step programs).
         times, last = [], time.perf_counter()
         for _ in decode_loop(model, cache, token, np.full(args.batch, context),
-                             max_new_tokens=args.decode_warmup + args.decode_tokens,
+                             max_new_tokens=steps,
                              key=jax.random.PRNGKey(0), stop_at_eos=False):
             now = time.perf_counter()
             times.append((now - last) * 1e3)
