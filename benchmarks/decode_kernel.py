@@ -44,9 +44,8 @@ HQ, D, DTYPE = 32, 128, jnp.bfloat16
 CONTEXTS = [(32768, 32768), (131072, 131072), (32768, 131072)]   # (context, max_len)
 # Tilings tried on top of the defaults (DecodeConfig) in the sweep; splits "x2" / "/2" scale
 # the automatic slot split count.
-SWEEP = [dict(block_c=32), dict(block_c=128), dict(slot_warps=8), dict(slot_stages=3),
-         dict(slot_splits="x2"), dict(slot_splits="/2"), dict(block_r=32),
-         dict(ring_splits="x2"), dict(slot_layout="bhcd")]
+SWEEP = [dict(block=32), dict(block=128), dict(warps=8), dict(stages=3), dict(splits="x2"),
+         dict(splits="/2"), dict(slot_layout="bhcd")]
 
 
 def make_cache(key, layers, batch, hkv, ring, slots):
@@ -85,9 +84,8 @@ def time_per_call(fn, args, calls: int, runs: int) -> float:
 def resolve_tiling(tiling, batch, hkv, ring, slots):
     """Replace "x2" / "/2" split settings by multiples of the automatic count."""
     fixed = {k: v for k, v in tiling.items() if v not in ("x2", "/2")}
-    auto = dict(zip(("ring_splits", "slot_splits"),
-                    resolve_splits(DecodeConfig(**fixed), batch, HQ, hkv, ring, slots)))
-    scaled = {k: 2 * auto[k] if v == "x2" else max(1, auto[k] // 2)
+    auto = resolve_splits(DecodeConfig(**fixed), batch, HQ, ring, slots)
+    scaled = {k: 2 * auto if v == "x2" else max(1, auto // 2)
               for k, v in tiling.items() if k not in fixed}
     return {**fixed, **scaled}
 
@@ -138,9 +136,8 @@ def run_case(args, batch, hkv, context, max_len, tilings, deadline: float | None
         ms = time_per_call(chained(attend, args.layers, args.passes),
                            (q, k, v, ck_in, cv_in, bounds), calls, args.runs)
         out = jax.jit(attend, static_argnums=1)(q, 0, k, v, ck_in, cv_in, bounds)
-        splits = resolve_splits(DecodeConfig(**tiling), batch, HQ, hkv, ring, slots)
-        records.append(dict(case, impl="pallas",
-                            tiling=dict(tiling, ring_splits=splits[0], slot_splits=splits[1]),
+        splits = resolve_splits(DecodeConfig(**tiling), batch, HQ, ring, slots)
+        records.append(dict(case, impl="pallas", tiling=dict(tiling, splits=splits),
                             ms=ms, max_abs_err_vs_xla=float(jnp.max(jnp.abs(out - ref)))))
     for r in records:
         r["gbps_visible"] = r["visible_bytes_per_layer"] / (r["ms"] * 1e-3) / 1e9
@@ -159,7 +156,7 @@ def table(records) -> str:
         pallas = [r for r in rs if r["impl"] == "pallas"]
         default, best = pallas[0], min(pallas, key=lambda r: r["ms"])
         changed = {k: v for k, v in best["tiling"].items()
-                   if k not in ("ring_splits", "slot_splits") or v != default["tiling"][k]}
+                   if k != "splits" or v != default["tiling"][k]}
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2] // 1024}K | {key[3] // 1024}K | {xla['ms']:.4f} "
             f"| {default['ms']:.4f} | {xla['ms'] / default['ms']:.2f}x | {best['ms']:.4f} "

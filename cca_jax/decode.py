@@ -372,7 +372,8 @@ def _decode_xla(q, k_all, v_all, ck, cv, i, pat, p):
 def _decode_pallas_gpu(q, k_all, v_all, ck, cv, i, pat, p):
     from pallas_kernels.gpu import decode_attention_pallas_gpu  # lazy: kernels import us
     bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
-    return decode_attention_pallas_gpu(q, k_all, v_all, ck, cv, bounds, layer=i)
+    return decode_attention_pallas_gpu(q, k_all, v_all, ck, cv, bounds, layer=i,
+                                       out_dtype=q.dtype)
 
 
 def _decode_pallas_tpu(q, k_all, v_all, ck, cv, i, pat, p):

@@ -21,7 +21,7 @@ from cca_jax.decode import cached_attention
 from pallas_kernels.gpu import DecodeConfig, decode_attention_pallas_gpu
 
 D = 16
-SMALL = dict(block_r=16, block_c=16)
+SMALL = dict(block=16)
 
 CCA = blocks.cca_pattern(4, 40)                               # R = 44, C = 20 at 120
 SLIDING = blocks.AttentionPattern("sliding", window_size=20)  # R = 20, no slots
@@ -81,8 +81,7 @@ def _random_positions(max_len, rows=6, batches=2, seed=0):
 
 # ---- against the XLA reference, every attention option ------------------------------------
 
-@pytest.mark.parametrize("hq,hkv,splits", [(4, 2, dict(ring_splits=2, slot_splits=1)),
-                                           (4, 4, dict(ring_splits=3, slot_splits=3))],
+@pytest.mark.parametrize("hq,hkv,splits", [(4, 2, dict(splits=2)), (4, 4, dict(splits=4))],
                          ids=["gqa", "mha"])
 def test_cca_matches_cached_attention(hq, hkv, splits):
     """Positions crossing the first core token, ring wraps and group edges; C = 20 is not a
@@ -97,7 +96,7 @@ def test_cca_matches_cached_attention(hq, hkv, splits):
 def test_other_options_match_cached_attention(pattern, max_len):
     """sliding and full: no slots (C = 0, the ring alone); streaming: 3 sinks as slots;
     full: a ring of max_len that never wraps."""
-    _check(pattern, max_len, 4, 2, {**SMALL, "ring_splits": 2, "slot_splits": 2},
+    _check(pattern, max_len, 4, 2, {**SMALL, "splits": 2},
            POSITIONS[pattern.kind] + _random_positions(max_len, batches=1, seed=3))
 
 
@@ -140,10 +139,12 @@ def test_rejects_unsupported_shapes_and_settings():
         call(q, k, v, ck, cv, bounds[:2])
     with pytest.raises(ValueError, match="layer="):
         call(q, k, v, ck, cv, bounds, layer=0)
-    with pytest.raises(ValueError, match="block_c"):
-        call(q, k, v, ck, cv, bounds, block_c=48)
-    with pytest.raises(ValueError, match="slot_splits"):
-        call(q, k, v, ck, cv, bounds, slot_splits=0)
+    with pytest.raises(ValueError, match="block"):
+        call(q, k, v, ck, cv, bounds, block=48)
+    with pytest.raises(ValueError, match="splits must be a positive"):
+        call(q, k, v, ck, cv, bounds, splits=0)
+    with pytest.raises(ValueError, match="power of two"):
+        call(q, k, v, ck, cv, bounds, splits=3)
     with pytest.raises(ValueError, match="slot_layout"):
         call(q, k, v, ck, cv, bounds, slot_layout="cbhd")
     with pytest.raises(ValueError, match="unknown"):
@@ -162,7 +163,7 @@ def test_bfloat16_with_default_tiling_matches_cached_attention():
 @pytest.mark.slow
 def test_mqa_and_many_splits_match_cached_attention():
     """One KV head for 4 query heads, more splits than blocks (most of them empty)."""
-    _check(CCA, 120, 4, 1, {**SMALL, "ring_splits": 5, "slot_splits": 4},
+    _check(CCA, 120, 4, 1, {**SMALL, "splits": 8},
            POSITIONS["cca"] + _random_positions(120, seed=7))
 
 
@@ -170,7 +171,7 @@ def test_mqa_and_many_splits_match_cached_attention():
 def test_paper_group_sizes_match_cached_attention():
     """g = 16 and a window of 64 (R = 80), block 32, rows well past the first ring wraps."""
     pattern = blocks.cca_pattern(16, 64)
-    _check(pattern, 400, 4, 2, dict(block_r=32, block_c=16, ring_splits=2, slot_splits=2),
+    _check(pattern, 400, 4, 2, dict(block=32, splits=2),
            [[0, 78, 79, 80, 160, 399]] + _random_positions(400, seed=11))
 
 

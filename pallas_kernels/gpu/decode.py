@@ -7,18 +7,20 @@ visible sets come as three integers per row (`cca_jax.blocks.decode_bounds`): ri
 `(ring_first + i) % R` for `i < ring_count` and slots `[0, num_slots)`. Only those are read,
 so at 32K of context in a 128K-sized cache a quarter of the slots is touched.
 
-Decode is memory-bound, so the work is split for bandwidth, like flash-decoding:
-  ring kernel  grid (KV head, ring split, row): the G query heads of a KV head are the rows of
-               one tile (zero-padded to 16 for the 2-D dots), so each ring block is read once
-               per KV head. Each split takes an equal share of the row's visible entries
-               (which may wrap around the ring: at most two contiguous segments).
-  slot kernel  grid (query head, slot split, row), heads fastest so that concurrently running
-               programs read neighbouring heads of the same slots: each split takes an equal
-               share of `[0, num_slots)` (splits follow the row's count, not the capacity, so
-               no program idles on invisible slots). Per-head keys: scores by a multiply and
-               a row sum (no dot with a single query row), float32 accumulation.
-Each program writes an unnormalised partial (output, running max in log2 units, sum); XLA
-merges the partials of all splits of both kernels exactly (`_merge_partials`).
+Decode is memory-bound, so the work is split for bandwidth, like flash-decoding, in two
+kernels:
+  attention  grid (query head, split, row), heads fastest so that concurrently running
+             programs read neighbouring heads of the same entries (the G query heads of one
+             KV head share its ring blocks through L2). A row's visible entries form one
+             sequence, the ring's (which may wrap: at most two contiguous segments) then the
+             slots', and each split takes an equal share of it, so ring and slots are read by
+             the same launch and no program idles on invisible slots. Scores by a multiply
+             and a row sum (no dot with a single query row), float32 accumulation; each
+             program writes an unnormalised partial (output, running max in log2 units, sum).
+  merge      grid (query head, row): the exact softmax over the splits' partials.
+One launch for ring and slots matters at decode: the ring's share alone is too small to use
+the GPU (a separate ring kernel took 9 us per layer of the 7B shape, latency-bound), and the
+merge in XLA was five small fusions.
 
 The cache's arrays may be passed stacked over layers (`[L, B, ...]`) with a `layer` index, so
 that a `lax.scan` over layers hands the kernels the whole cache without slicing (a dynamic
@@ -46,27 +48,23 @@ SLOT_LAYOUTS = ("bchd", "bhcd")  # slots [.., B, C, Hq, D] (KVCache) or [.., B, 
 _BLOCKS = (16, 32, 64, 128, 256, 512)
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30         # running max of a program that saw nothing: exp2(that - max) = 0
-_MIN_ROWS = 16            # rows of a 2-D dot in the Triton lowering
 # Programs per kernel the automatic split counts aim at (H200: 132 SMs, several programs
 # each, so that enough loads are in flight to saturate the memory bandwidth).
 _TARGET_PROGRAMS = 1024
 
 
 class DecodeConfig(NamedTuple):
-    """Static tiling of the two decode kernels (hashable; a field of None is chosen from the
-    shapes, see `resolve_splits`).
+    """Static tiling of the decode kernel (hashable; `splits=None` is chosen from the shapes,
+    see `resolve_splits`).
 
-    block_r / block_c: ring entries / slots per loop step; ring_splits / slot_splits: programs
-    per (row, head) sharing the visible entries / slots; *_warps, *_stages: Triton settings.
+    block: ring entries / slots per loop step; splits: programs per (row, query head) sharing
+    the row's visible entries (a power of two: the merge kernel reads them as one block);
+    warps, stages: Triton settings of the main kernel.
     """
-    block_r: int = 64
-    ring_splits: int | None = None
-    ring_warps: int = 4
-    ring_stages: int = 2
-    block_c: int = 64
-    slot_splits: int | None = None
-    slot_warps: int = 4
-    slot_stages: int = 2
+    block: int = 64
+    splits: int | None = None
+    warps: int = 4
+    stages: int = 2
     slot_layout: str = "bchd"
     interpret: bool = False
 
@@ -78,11 +76,14 @@ def decode_config(*, interpret: bool = False, **fields) -> DecodeConfig:
         if name not in DecodeConfig._fields or name == "interpret":
             raise ValueError(f"unknown decode kernel setting {name!r}; "
                              f"expected one of {DecodeConfig._fields[:-1]}.")
-        if name.startswith("block_") and value not in _BLOCKS:
-            raise ValueError(f"{name} must be one of {_BLOCKS}, got {value!r}.")
-        if name.endswith(("_splits", "_warps", "_stages")) and (
+        if name == "block" and value not in _BLOCKS:
+            raise ValueError(f"block must be one of {_BLOCKS}, got {value!r}.")
+        if name in ("splits", "warps", "stages") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if fields.get("splits", 1) & (fields.get("splits", 1) - 1):
+        raise ValueError(f"splits must be a power of two (the merge kernel reads the splits "
+                         f"as one block), got {fields['splits']}.")
     if fields.get("slot_layout", "bchd") not in SLOT_LAYOUTS:
         raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, "
                          f"got {fields['slot_layout']!r}.")
@@ -117,103 +118,55 @@ def _walk(start, end, block: int, step, carry):
     return lax.fori_loop(0, _cdiv(jnp.maximum(end - start, 0), block), body, carry)
 
 
-def _online_update(part: _Partial, s, pv):
-    """Fold scores `s` (log2 units, masked ones -inf; [..., block]) into `part`;
-    pv(p) -> the block's unnormalised output for probabilities p."""
-    m_new = jnp.maximum(part.m, jnp.max(s, axis=-1))
+def _online_update(part: _Partial, s, v):
+    """Fold scores `s` (log2 units, masked ones -inf; `[block]`) and values `v` (`[block,
+    D]`) into `part`."""
+    m_new = jnp.maximum(part.m, jnp.max(s))
     alpha = jnp.exp2(part.m - m_new)
-    p = jnp.exp2(s - m_new[..., None] if s.ndim > 1 else s - m_new)
-    acc = part.acc * (alpha[..., None] if s.ndim > 1 else alpha) + pv(p)
-    return _Partial(acc, m_new, part.l * alpha + jnp.sum(p, axis=-1))
+    p = jnp.exp2(s - m_new)
+    acc = part.acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+    return _Partial(acc, m_new, part.l * alpha + jnp.sum(p))
 
 
-# ---- ring kernel ----------------------------------------------------------------------------
+# ---- the attention kernel: partials of ring and slots ------------------------------------
 
-def _ring_kernel(layer_ref, first_ref, count_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                 *, ring: int, block: int, splits: int, scale: float):
-    layer, first = layer_ref[...], first_ref[...]
-    v0, v1 = _split_range(count_ref[...], pl.program_id(1), splits, block)
-    q = q_ref[...]                                     # [rows, D], rows >= 16 (zero-padded)
-    c = scale * _LOG2E
+def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref,
+                   cv_ref, o_ref, m_ref, l_ref, *, ring: int, block: int, splits: int,
+                   scale: float):
+    """One (query head, split, row): its share of the row's visible ring entries followed by
+    its visible slots, as one sequence `[0, ring_count + num_slots)`."""
+    layer, first, count = layer_ref[...], first_ref[...], count_ref[...]
+    v0, v1 = _split_range(count + slots_ref[...], pl.program_id(1), splits, block)
+    q = q_ref[...].astype(jnp.float32) * (scale * _LOG2E)      # [D], scores in log2 units
 
-    def step(start, valid, part):
-        rows = (pl.ds(start, block), slice(None))
-        k = plgpu.load(k_ref.at[(layer, *rows)], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[(layer, *rows)], mask=valid[:, None], other=0.0)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        s = jnp.where(valid[None, :], s * c, -jnp.inf)
-        return _online_update(part, s, lambda p: lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32))
+    def stepper(key_ref, value_ref):
+        def step(start, valid, part):
+            rows = (layer, pl.ds(start, block), slice(None))
+            k = plgpu.load(key_ref.at[rows], mask=valid[:, None], other=0.0)
+            v = plgpu.load(value_ref.at[rows], mask=valid[:, None], other=0.0)
+            s = jnp.where(valid, jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1),
+                          -jnp.inf)
+            return _online_update(part, s, v)
+        return step
 
-    part = _Partial(jnp.zeros(q.shape, jnp.float32),
-                    jnp.full(q.shape[:1], _MAX_INIT, jnp.float32),
-                    jnp.zeros(q.shape[:1], jnp.float32))
-    # This split's entries, unwrapped: [x0, x1) with 0 <= x0 <= x1 < 2R; entry x % R.
-    x0, x1 = first + v0, first + v1
-    part = _walk(jnp.minimum(x0, ring), jnp.minimum(x1, ring), block, step, part)
-    part = _walk(jnp.maximum(x0, ring) - ring, jnp.maximum(x1, ring) - ring, block, step, part)
+    part = _Partial(jnp.zeros(q.shape, jnp.float32), jnp.float32(_MAX_INIT), jnp.float32(0.0))
+    # Ring entries of this share, unwrapped: [x0, x1) with 0 <= x0 <= x1 < 2R; entry x % R.
+    x0, x1 = first + jnp.minimum(v0, count), first + jnp.minimum(v1, count)
+    ring_step = stepper(k_ref, v_ref)
+    part = _walk(jnp.minimum(x0, ring), jnp.minimum(x1, ring), block, ring_step, part)
+    part = _walk(jnp.maximum(x0, ring) - ring, jnp.maximum(x1, ring) - ring, block, ring_step,
+                 part)
+    part = _walk(jnp.maximum(v0, count) - count, jnp.maximum(v1, count) - count, block,
+                 stepper(ck_ref, cv_ref), part)
     o_ref[...], m_ref[...], l_ref[...] = part
 
 
-def _ring_partials(q, k_ring, v_ring, layer, bounds, cfg: DecodeConfig, splits: int):
-    """Partials `[B, Hq, splits, D]`, `[B, Hq, splits]` x2 of the ring (stacked arrays)."""
+def _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig, splits: int):
+    """Partials `[B, Hq, splits, D]`, `[B, Hq, splits]` x2 (stacked cache arrays)."""
     b, hq, d = q.shape
-    ring, hkv = k_ring.shape[2], k_ring.shape[3]
+    layers, ring, hkv = k_ring.shape[0], k_ring.shape[2], k_ring.shape[3]
     groups = hq // hkv
-    rows = max(_MIN_ROWS, 1 << (groups - 1).bit_length())   # a power of two
-    qg = jnp.pad(q.reshape(b, hkv, groups, d), ((0, 0), (0, 0), (0, rows - groups), (0, 0)))
-    per_row = pl.BlockSpec((None,), lambda h, j, z: (z,))
-    kv = pl.BlockSpec((k_ring.shape[0], None, ring, None, d), lambda h, j, z: (0, z, 0, h, 0))
-    kernel = functools.partial(_ring_kernel, ring=ring, block=cfg.block_r, splits=splits,
-                               scale=1.0 / math.sqrt(d))
-    acc, m, l = pl.pallas_call(
-        kernel,
-        grid=(hkv, splits, b),
-        in_specs=[per_row, per_row, per_row,
-                  pl.BlockSpec((None, None, rows, d), lambda h, j, z: (z, h, 0, 0)), kv, kv],
-        out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda h, j, z: (z, h, j, 0, 0)),
-                   pl.BlockSpec((None, None, None, rows), lambda h, j, z: (z, h, j, 0)),
-                   pl.BlockSpec((None, None, None, rows), lambda h, j, z: (z, h, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.ring_warps,
-                                             num_stages=cfg.ring_stages),
-        interpret=cfg.interpret,
-        name="cca_decode_ring",
-    )(layer, bounds.ring_first, bounds.ring_count, qg, k_ring, v_ring)
-    # [B, Hkv, S, rows, ...] -> the real rows as query heads: [B, Hq, S, ...].
-    heads = lambda x: jnp.moveaxis(x[:, :, :, :groups], 3, 2).reshape(  # noqa: E731
-        b, hq, splits, *x.shape[4:])
-    return heads(acc), heads(m), heads(l)
-
-
-# ---- slot kernel ----------------------------------------------------------------------------
-
-def _slot_kernel(layer_ref, count_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref,
-                 *, block: int, splits: int, scale: float):
-    layer = layer_ref[...]
-    v0, v1 = _split_range(count_ref[...], pl.program_id(1), splits, block)
-    q = q_ref[...].astype(jnp.float32) * (scale * _LOG2E)      # [D], scores in log2 units
-
-    def step(start, valid, part):
-        rows = (layer, pl.ds(start, block), slice(None))
-        k = plgpu.load(ck_ref.at[rows], mask=valid[:, None], other=0.0)
-        v = plgpu.load(cv_ref.at[rows], mask=valid[:, None], other=0.0)
-        s = jnp.where(valid, jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1), -jnp.inf)
-        return _online_update(
-            part, s, lambda p: jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0))
-
-    part = _Partial(jnp.zeros(q.shape, jnp.float32), jnp.float32(_MAX_INIT), jnp.float32(0.0))
-    o_ref[...], m_ref[...], l_ref[...] = _walk(v0, v1, block, step, part)
-
-
-def _slot_partials(q, ck, cv, layer, bounds, cfg: DecodeConfig, splits: int):
-    """Partials `[B, Hq, splits, D]`, `[B, Hq, splits]` x2 of the slots (stacked arrays)."""
-    b, hq, d = q.shape
-    layers = ck.shape[0]
+    raw = pl.BlockSpec((layers, None, ring, None, d), lambda h, j, z: (0, z, 0, h // groups, 0))
     if cfg.slot_layout == "bchd":
         slots = pl.BlockSpec((layers, None, ck.shape[2], None, d),
                              lambda h, j, z: (0, z, 0, h, 0))
@@ -222,46 +175,60 @@ def _slot_partials(q, ck, cv, layer, bounds, cfg: DecodeConfig, splits: int):
                              lambda h, j, z: (0, z, h, 0, 0))
     per_row = pl.BlockSpec((None,), lambda h, j, z: (z,))
     per_split = pl.BlockSpec((None, None, None), lambda h, j, z: (z, h, j))
-    kernel = functools.partial(_slot_kernel, block=cfg.block_c, splits=splits,
+    kernel = functools.partial(_decode_kernel, ring=ring, block=cfg.block, splits=splits,
                                scale=1.0 / math.sqrt(d))
     return pl.pallas_call(
         kernel,
         grid=(hq, splits, b),
-        in_specs=[per_row, per_row,
-                  pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0)), slots, slots],
+        in_specs=[per_row] * 4 + [pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0)),
+                                  raw, raw, slots, slots],
         out_specs=[pl.BlockSpec((None, None, None, d), lambda h, j, z: (z, h, j, 0)),
                    per_split, per_split],
         out_shape=[jax.ShapeDtypeStruct((b, hq, splits, d), jnp.float32),
                    jax.ShapeDtypeStruct((b, hq, splits), jnp.float32),
                    jax.ShapeDtypeStruct((b, hq, splits), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.slot_warps,
-                                             num_stages=cfg.slot_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages),
         interpret=cfg.interpret,
-        name="cca_decode_slots",
-    )(layer, bounds.num_slots, q, ck, cv)
+        name="cca_decode",
+    )(layer, bounds.ring_first, bounds.ring_count, bounds.num_slots, q, k_ring, v_ring, ck, cv)
 
 
-# ---- merge and entry ------------------------------------------------------------------------
+# ---- merge ----------------------------------------------------------------------------------
 
-def _merge_partials(partials, dtype):
-    """One softmax from per-split partials (acc `[B, Hq, S, D]`, m and l `[B, Hq, S]`)."""
-    acc, m, l = (jnp.concatenate(x, axis=2) for x in zip(*partials))
-    top = jnp.max(m, axis=2, keepdims=True)     # finite: every row sees its own key
-    w = jnp.exp2(m - top)
-    denom = jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)
-    return (jnp.sum(w[..., None] * acc, axis=2) / denom[..., None]).astype(dtype)
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref):
+    """One (query head, row): the softmax over all splits (every row sees its own key, so
+    the largest running max is finite)."""
+    m = m_ref[...]
+    w = jnp.exp2(m - jnp.max(m))
+    out = jnp.sum(w[:, None] * acc_ref[...], axis=0) / jnp.maximum(jnp.sum(w * l_ref[...]),
+                                                                   1e-30)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
-def resolve_splits(cfg: DecodeConfig, batch: int, q_heads: int, kv_heads: int, ring: int,
-                   num_slots: int) -> tuple[int, int]:
-    """(ring_splits, slot_splits): the config's, or enough programs per kernel to fill the
-    GPU (`_TARGET_PROGRAMS`) without splits smaller than one block of the capacity."""
-    def auto(chosen, heads, capacity, block):
-        if chosen is not None:
-            return chosen
-        return max(1, min(-(-_TARGET_PROGRAMS // (batch * heads)), -(-capacity // block)))
-    return (auto(cfg.ring_splits, kv_heads, ring, cfg.block_r),
-            auto(cfg.slot_splits, q_heads, num_slots, cfg.block_c))
+def _merge(acc, m, l, dtype, cfg: DecodeConfig):
+    b, hq, splits, d = acc.shape
+    per_head = lambda *tail: pl.BlockSpec((None, None, *tail),  # noqa: E731
+                                          lambda h, z: (z, h) + (0,) * len(tail))
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(hq, b),
+        in_specs=[per_head(splits, d), per_head(splits), per_head(splits)],
+        out_specs=per_head(d),
+        out_shape=jax.ShapeDtypeStruct((b, hq, d), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=cfg.interpret,
+        name="cca_decode_merge",
+    )(acc, m, l)
+
+
+def resolve_splits(cfg: DecodeConfig, batch: int, q_heads: int, ring: int,
+                   num_slots: int) -> int:
+    """The config's splits, or the power of two that gives enough programs to fill the GPU
+    (`_TARGET_PROGRAMS`) without splits smaller than one block of the capacity."""
+    if cfg.splits is not None:
+        return cfg.splits
+    want = min(-(-_TARGET_PROGRAMS // (batch * q_heads)), -(-(ring + num_slots) // cfg.block))
+    return 1 << (max(want, 1) - 1).bit_length()
 
 
 def _clip_bounds(bounds, ring: int, num_slots: int) -> DecodeBounds:
@@ -271,25 +238,26 @@ def _clip_bounds(bounds, ring: int, num_slots: int) -> DecodeBounds:
                         jnp.clip(slots, 0, num_slots))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "stacked"))
+@functools.partial(jax.jit, static_argnames=("cfg", "stacked", "out_dtype"))
 def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig,
-                     stacked: bool):
+                     stacked: bool, out_dtype=jnp.float32):
     """Checked inputs (cache arrays `[L, B, ...]` when `stacked`, else `[B, ...]`) ->
-    float32 `[B, Hq, D]`: both kernels and the merge, in one jit."""
+    `[B, Hq, D]` in `out_dtype`: the attention kernel and the merge, in one jit."""
     if not stacked:
         k_ring, v_ring, ck, cv = (x[None] for x in (k_ring, v_ring, ck, cv))
-    b, hq, _ = q.shape
+    b, hq, d = q.shape
     slot_axis = 2 if cfg.slot_layout == "bchd" else 3
     ring, num_slots = k_ring.shape[2], ck.shape[slot_axis]
+    if not num_slots:     # no slots (sliding, full): one zero slot that no row sees
+        shape = [1, b, 1, hq, d] if slot_axis == 2 else [1, b, hq, 1, d]
+        ck = cv = jnp.zeros(shape, k_ring.dtype)
     bounds = _clip_bounds(bounds, ring, num_slots)
     layer = jnp.broadcast_to(jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_ring.shape[0] - 1),
                              (b,))
     q = q.astype(k_ring.dtype)
-    ring_splits, slot_splits = resolve_splits(cfg, b, hq, k_ring.shape[3], ring, num_slots)
-    partials = [_ring_partials(q, k_ring, v_ring, layer, bounds, cfg, ring_splits)]
-    if num_slots:
-        partials.append(_slot_partials(q, ck, cv, layer, bounds, cfg, slot_splits))
-    return _merge_partials(partials, jnp.float32)
+    splits = resolve_splits(cfg, b, hq, ring, num_slots)
+    acc, m, l = _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg, splits)
+    return _merge(acc, m, l, out_dtype, cfg)
 
 
 def _check_bounds(bounds, batch: int) -> None:
@@ -303,8 +271,9 @@ def _check_bounds(bounds, batch: int) -> None:
 
 
 def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
-                                interpret=None, **tiling):
-    """`cca_jax.decode.cached_attention` with per-row bounds instead of masks; float32 out.
+                                out_dtype=jnp.float32, interpret=None, **tiling):
+    """`cca_jax.decode.cached_attention` with per-row bounds instead of masks; `out_dtype`
+    out (float32 by default; the model's dtype saves a conversion after the merge).
 
     q: `[B, Hq, D]`. k_ring, v_ring: `[B, R, Hkv, D]` (Hq a multiple of Hkv; query head h
     uses KV head h // (Hq / Hkv)). ck, cv: `[B, C, Hq, D]` (C may be 0), or `[B, Hq, C, D]`
@@ -312,9 +281,8 @@ def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     the rows' positions t (`DecodeBounds` or a 3-tuple of int `[B]`). layer: with it, the
     four cache arrays are the stacked `[L, B, ...]` ones of `KVCache` and layer `layer` (an
     int or int scalar, traced or not) is read in place. D a power of two in
-    `SUPPORTED_DECODE_HEAD_DIMS`. tiling: `DecodeConfig` fields (block_r, ring_splits,
-    block_c, slot_splits, *_warps, *_stages, slot_layout). interpret defaults to True on the
-    CPU backend.
+    `SUPPORTED_DECODE_HEAD_DIMS`. tiling: `DecodeConfig` fields (block, splits, warps,
+    stages, slot_layout). interpret defaults to True on the CPU backend.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -345,4 +313,5 @@ def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
                          f"{np.shape(q)}, ring {shapes[0]}.")
     _check_bounds(bounds, b)
     return decode_attention(q, k_ring, v_ring, ck, cv, 0 if layer is None else layer,
-                            DecodeBounds(*bounds), cfg, layer is not None)
+                            DecodeBounds(*bounds), cfg, layer is not None,
+                            jnp.dtype(out_dtype))
