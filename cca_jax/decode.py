@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -398,8 +399,10 @@ def decode_implementation(cfg: LlamaConfig) -> str:
     return "xla"
 
 
-def _decode_step(model_state, cache: KVCache, tokens, active=None, implementation=None,
-                 pool_slots: bool = True):
+def decode_step_traced(model_state, cache: KVCache, tokens, active=None, implementation=None,
+                       pool_slots: bool = True):
+    """`decode_step` unjitted, for a program that jits it with more around it (it must pass
+    `DECODE_COMPILER_OPTIONS` to its own jit: a nested jit cannot carry them)."""
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -445,8 +448,16 @@ def _decode_step(model_state, cache: KVCache, tokens, active=None, implementatio
     return model.logits(hidden[:, 0]), cache
 
 
-decode_step = jax.jit(_decode_step, donate_argnames=("cache",),
-                      static_argnames=("implementation", "pool_slots"))
+# XLA options of every program that runs decode steps. A decode step is bound by reading the
+# weights, and one matrix product per shared input reads them faster than several: XLA's dot
+# merger joins products of one input (q/k/v, gate/up; the weights' concatenation fused into
+# the product, not copied) up to this size, 32 MB by default (only k + v at the 7B shape).
+# A GPU pass; the other backends ignore it.
+DECODE_COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
+
+decode_step = jax.jit(decode_step_traced, donate_argnames=("cache",),
+                      static_argnames=("implementation", "pool_slots"),
+                      compiler_options=dict(DECODE_COMPILER_OPTIONS))
 decode_step.__doc__ = """One token per row through the cache, jitted once, reused for every token:
 `decode_step(model_state, cache, tokens [B], active [B] bool | None) -> (logits [B, V], cache)`.
 `implementation`: a `DECODE_IMPLEMENTATIONS` name (default `decode_implementation(config)`).

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cca_jax import blocks
-from cca_jax.decode import DEFAULT_CHUNK_SIZE, decode_step, prefill
+from cca_jax.decode import (DECODE_COMPILER_OPTIONS, DEFAULT_CHUNK_SIZE, decode_step_traced,
+                            prefill)
 from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
 from cca_jax.padding import round_up
 from cca_jax.sampling import check_sampling, sample
@@ -154,7 +155,8 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",),
-                   static_argnames=("sampling", "stop_at_eos", "pool_slots"))
+                   static_argnames=("sampling", "stop_at_eos", "pool_slots"),
+                   compiler_options=dict(DECODE_COMPILER_OPTIONS))
 def _advance(model_state, cache, tokens, done, step, key, eos, pad, *, sampling,
              stop_at_eos, pool_slots):
     """One token per row, on the device: rows whose last token was an EOS finish (they feed
@@ -162,8 +164,8 @@ def _advance(model_state, cache, tokens, done, step, key, eos, pad, *, sampling,
     of `step + 1`. -> (next tokens, done, step + 1, cache)."""
     if stop_at_eos:
         done = done | jnp.isin(tokens, eos)
-    logits, cache = decode_step(model_state, cache, jnp.where(done, pad, tokens), ~done,
-                                pool_slots=pool_slots)
+    logits, cache = decode_step_traced(model_state, cache, jnp.where(done, pad, tokens),
+                                       ~done, pool_slots=pool_slots)
     nxt = sample(logits, jax.random.fold_in(key, step + 1), **dict(sampling))
     return nxt, done, step + 1, cache
 
