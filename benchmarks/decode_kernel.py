@@ -44,8 +44,8 @@ HQ, D, DTYPE = 32, 128, jnp.bfloat16
 CONTEXTS = [(32768, 32768), (131072, 131072), (32768, 131072)]   # (context, max_len)
 # Tilings tried on top of the defaults (DecodeConfig) in the sweep; splits "x2" / "/2" scale
 # the automatic slot split count.
-SWEEP = [dict(block=32), dict(block=128), dict(warps=8), dict(stages=3), dict(splits="x2"),
-         dict(splits="/2"), dict(slot_layout="bhcd")]
+SWEEP = [dict(dots=False), dict(block=32), dict(block=128), dict(warps=8), dict(stages=3),
+         dict(splits="x2"), dict(splits="/2"), dict(slot_layout="bhcd")]
 
 
 def make_cache(key, layers, batch, hkv, ring, slots):

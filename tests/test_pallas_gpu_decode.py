@@ -81,11 +81,13 @@ def _random_positions(max_len, rows=6, batches=2, seed=0):
 
 # ---- against the XLA reference, every attention option ------------------------------------
 
-@pytest.mark.parametrize("hq,hkv,splits", [(4, 2, dict(splits=2)), (4, 4, dict(splits=4))],
-                         ids=["gqa", "mha"])
+@pytest.mark.parametrize("hq,hkv,splits", [(4, 2, dict(splits=2)), (4, 4, dict(splits=4)),
+                                           (4, 2, dict(splits=2, dots=False))],
+                         ids=["gqa", "mha", "gqa_no_dots"])
 def test_cca_matches_cached_attention(hq, hkv, splits):
     """Positions crossing the first core token, ring wraps and group edges; C = 20 is not a
-    multiple of the block; rows with no visible slot; splits with nothing to do."""
+    multiple of the block; rows with no visible slot; splits with nothing to do; scores by
+    MMA dots (default) and by multiply-and-sum."""
     positions = POSITIONS["cca"] + _random_positions(120, seed=hkv)
     assert min(blocks.decode_bounds(CCA, np.asarray(positions[0]), 44, 20).num_slots) == 0
     _check(CCA, 120, hq, hkv, {**SMALL, **splits}, positions)
@@ -145,6 +147,8 @@ def test_rejects_unsupported_shapes_and_settings():
         call(q, k, v, ck, cv, bounds, splits=0)
     with pytest.raises(ValueError, match="power of two"):
         call(q, k, v, ck, cv, bounds, splits=3)
+    with pytest.raises(ValueError, match="dots must be a bool"):
+        call(q, k, v, ck, cv, bounds, dots=1)
     with pytest.raises(ValueError, match="slot_layout"):
         call(q, k, v, ck, cv, bounds, slot_layout="cbhd")
     with pytest.raises(ValueError, match="unknown"):

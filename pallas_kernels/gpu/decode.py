@@ -51,6 +51,7 @@ _MAX_INIT = -1e30         # running max of a program that saw nothing: exp2(that
 # Programs per kernel the automatic split counts aim at (H200: 132 SMs, several programs
 # each, so that enough loads are in flight to saturate the memory bandwidth).
 _TARGET_PROGRAMS = 1024
+_DOT_ROWS = 16            # rows of the smallest 2-D dot of the Triton lowering
 
 
 class DecodeConfig(NamedTuple):
@@ -59,12 +60,15 @@ class DecodeConfig(NamedTuple):
 
     block: ring entries / slots per loop step; splits: programs per (row, query head) sharing
     the row's visible entries (a power of two: the merge kernel reads them as one block);
-    warps, stages: Triton settings of the main kernel.
+    warps, stages: Triton settings of the main kernel. dots: scores and outputs as MMA dots
+    of the query repeated on 16 rows (tensor cores), else as multiply-and-sum on the CUDA
+    cores.
     """
     block: int = 64
     splits: int | None = None
     warps: int = 4
     stages: int = 2
+    dots: bool = True
     slot_layout: str = "bchd"
     interpret: bool = False
 
@@ -78,6 +82,8 @@ def decode_config(*, interpret: bool = False, **fields) -> DecodeConfig:
                              f"expected one of {DecodeConfig._fields[:-1]}.")
         if name == "block" and value not in _BLOCKS:
             raise ValueError(f"block must be one of {_BLOCKS}, got {value!r}.")
+        if name == "dots" and not isinstance(value, bool):
+            raise ValueError(f"dots must be a bool, got {value!r}.")
         if name in ("splits", "warps", "stages") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
@@ -118,11 +124,17 @@ def _walk(start, end, block: int, step, carry):
     return lax.fori_loop(0, _cdiv(jnp.maximum(end - start, 0), block), body, carry)
 
 
-def _online_update(part: _Partial, s, v):
-    """Fold scores `s` (log2 units, masked ones -inf; `[block]`) and values `v` (`[block,
-    D]`) into `part`."""
-    m_new = jnp.maximum(part.m, jnp.max(s))
+def _online_update(part: _Partial, s, v, dots: bool):
+    """Fold scores `s` (log2 units, masked ones -inf; `[block]`, or `[16, block]` of 16
+    equal rows with `dots`) and values `v` (`[block, D]`) into `part`."""
+    m_new = jnp.maximum(part.m, jnp.max(s, axis=-1))
     alpha = jnp.exp2(part.m - m_new)
+    if dots:
+        p = jnp.exp2(s - m_new[:, None])
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return _Partial(part.acc * alpha[:, None] + pv, m_new,
+                        part.l * alpha + jnp.sum(p, axis=-1))
     p = jnp.exp2(s - m_new)
     acc = part.acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
     return _Partial(acc, m_new, part.l * alpha + jnp.sum(p))
@@ -132,24 +144,33 @@ def _online_update(part: _Partial, s, v):
 
 def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref,
                    cv_ref, o_ref, m_ref, l_ref, *, ring: int, block: int, splits: int,
-                   scale: float):
+                   scale: float, dots: bool):
     """One (query head, split, row): its share of the row's visible ring entries followed by
-    its visible slots, as one sequence `[0, ring_count + num_slots)`."""
+    its visible slots, as one sequence `[0, ring_count + num_slots)`. With `dots`, the query
+    is 16 equal rows (the smallest MMA tile) and every row carries the same softmax."""
     layer, first, count = layer_ref[...], first_ref[...], count_ref[...]
     v0, v1 = _split_range(count + slots_ref[...], pl.program_id(1), splits, block)
-    q = q_ref[...].astype(jnp.float32) * (scale * _LOG2E)      # [D], scores in log2 units
+    c = scale * _LOG2E                                           # scores in log2 units
+    q = q_ref[...] if dots else q_ref[...].astype(jnp.float32) * c    # [16, D] / [D]
 
     def stepper(key_ref, value_ref):
         def step(start, valid, part):
             rows = (layer, pl.ds(start, block), slice(None))
             k = plgpu.load(key_ref.at[rows], mask=valid[:, None], other=0.0)
             v = plgpu.load(value_ref.at[rows], mask=valid[:, None], other=0.0)
-            s = jnp.where(valid, jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1),
-                          -jnp.inf)
-            return _online_update(part, s, v)
+            if dots:
+                s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                s = jnp.where(valid[None, :], s * c, -jnp.inf)
+            else:
+                s = jnp.where(valid, jnp.sum(k.astype(jnp.float32) * q[None, :], axis=1),
+                              -jnp.inf)
+            return _online_update(part, s, v, dots)
         return step
 
-    part = _Partial(jnp.zeros(q.shape, jnp.float32), jnp.float32(_MAX_INIT), jnp.float32(0.0))
+    lead = q.shape[:1] if dots else ()
+    part = _Partial(jnp.zeros(q.shape, jnp.float32), jnp.full(lead, _MAX_INIT, jnp.float32),
+                    jnp.zeros(lead, jnp.float32))
     # Ring entries of this share, unwrapped: [x0, x1) with 0 <= x0 <= x1 < 2R; entry x % R.
     x0, x1 = first + jnp.minimum(v0, count), first + jnp.minimum(v1, count)
     ring_step = stepper(k_ref, v_ref)
@@ -158,6 +179,8 @@ def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_r
                  part)
     part = _walk(jnp.maximum(v0, count) - count, jnp.maximum(v1, count) - count, block,
                  stepper(ck_ref, cv_ref), part)
+    if dots:   # the rows are equal: any of them, exactly (max of equal values)
+        part = _Partial(jnp.max(part.acc, axis=0), jnp.max(part.m), jnp.max(part.l))
     o_ref[...], m_ref[...], l_ref[...] = part
 
 
@@ -176,12 +199,16 @@ def _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig, split
     per_row = pl.BlockSpec((None,), lambda h, j, z: (z,))
     per_split = pl.BlockSpec((None, None, None), lambda h, j, z: (z, h, j))
     kernel = functools.partial(_decode_kernel, ring=ring, block=cfg.block, splits=splits,
-                               scale=1.0 / math.sqrt(d))
+                               scale=1.0 / math.sqrt(d), dots=cfg.dots)
+    if cfg.dots:
+        q = jnp.broadcast_to(q[:, :, None], (b, hq, _DOT_ROWS, d))
+        q_spec = pl.BlockSpec((None, None, _DOT_ROWS, d), lambda h, j, z: (z, h, 0, 0))
+    else:
+        q_spec = pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0))
     return pl.pallas_call(
         kernel,
         grid=(hq, splits, b),
-        in_specs=[per_row] * 4 + [pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0)),
-                                  raw, raw, slots, slots],
+        in_specs=[per_row] * 4 + [q_spec, raw, raw, slots, slots],
         out_specs=[pl.BlockSpec((None, None, None, d), lambda h, j, z: (z, h, j, 0)),
                    per_split, per_split],
         out_shape=[jax.ShapeDtypeStruct((b, hq, splits, d), jnp.float32),
