@@ -80,6 +80,8 @@ def timed(fn, *args, iters=20):
 
 
 def main():
+    if jax.default_backend() != "gpu":
+        raise SystemExit("decode_gemv_probe.py times 13 GB of weights on an NVIDIA GPU.")
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 400))
     shapes = dict(wq=(H, H), wk=(H, H), wv=(H, H), wo=(H, H), w1=(H, F), w3=(H, F), w2=(F, H))
     layers = [{k: jax.random.normal(next(keys), s, jnp.bfloat16) * 0.01 for k, s in shapes.items()}
@@ -99,7 +101,6 @@ def main():
             for cfg in [dict(bn=128, bk=128, splitk=8, stages=3), dict(bn=64, bk=128, splitk=4, stages=4),
                         dict(bn=128, bk=64, splitk=16, stages=3), dict(bn=256, bk=64, splitk=16, stages=3),
                         dict(bn=64, bk=256, splitk=8, stages=3)]:
-                ok = True
                 def mm(a, w, cfg=cfg):
                     kk = w.shape[0]
                     c = dict(cfg)
