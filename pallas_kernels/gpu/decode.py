@@ -89,9 +89,10 @@ def decode_config(*, interpret: bool = False, **fields) -> DecodeConfig:
         if name in ("splits", "warps", "stages") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    if fields.get("splits", 1) & (fields.get("splits", 1) - 1):
+    splits = fields.get("splits", 1)
+    if splits & (splits - 1):
         raise ValueError(f"splits must be a power of two (the merge kernel reads the splits "
-                         f"as one block), got {fields['splits']}.")
+                         f"as one block), got {splits}.")
     if fields.get("slot_layout", "bchd") not in SLOT_LAYOUTS:
         raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, "
                          f"got {fields['slot_layout']!r}.")
