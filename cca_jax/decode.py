@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from cca_jax import blocks
-from cca_jax.attention import run_attention
+from cca_jax.attention import resolve_implementation, run_attention
 from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
 from cca_jax.attention.pooling import pool_core_tokens
 from cca_jax.attention.xla import Blocking
@@ -106,7 +106,8 @@ def _set_entry(x, i, index, update, keep):
     return x.at[i, jnp.arange(x.shape[1]), index].set(update.astype(x.dtype), mode="drop")
 
 
-def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = False):
+def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = False,
+                last_rows=None):
     """The model's decoder stack on `x` `[B, n, hidden]` with `attend` as the attention core.
 
     attend(i, q, k, v, cache) -> (out `[B, n, Hq, D]`, cache), with q `[B, n, Hq, D]` and k, v
@@ -115,35 +116,73 @@ def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = Fa
     step needs: XLA streams static slices of the stacked weights at 3.4 TB/s on the H200, but
     copies the scan's dynamic slices first, 1.2 TB/s; benchmarks/research/
     decode_weights_probe.py). The scan compiles faster, and prefill is compute-bound.
+    `last_rows` (int `[B]`, scan only): only row `last_rows[b]` of each row is wanted from the
+    last layer, whose keys/values still go into the cache but whose attention, output
+    projection and MLP run for that row alone (`attend(..., out_rows=last_rows)` -> `[B, 1, Hq,
+    D]`); returns `[B, 1, hidden]`. A prefill needs no more: 1/L of the last layer's work.
     """
     cfg = model.config
     graphdef, stacked = nnx.split(model.layers)
+    num_layers = cfg.num_hidden_layers
 
-    def body(carry, xs):
-        x, cache = carry
-        i, layer_state = xs
-        layer = nnx.merge(graphdef, layer_state)
+    def layer_at(i):
+        # a static index is a static slice (streamed in place by a decode step)
+        take = (lambda p: p[i]) if isinstance(i, int) else (lambda p: _layer(p, i))
+        return nnx.merge(graphdef, jax.tree.map(take, stacked))
+
+    def projections(layer, x):
         attn = layer.self_attn
         b, n, _ = x.shape
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).reshape(b, n, cfg.num_attention_heads, cfg.head_dim)
         k = attn.k_proj(h).reshape(b, n, cfg.num_key_value_heads, cfg.head_dim)
         v = attn.v_proj(h).reshape(b, n, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Rotated q and k stay bf16 tensors: otherwise XLA (excess precision) hands the
+        # pooling the float32 rotation and keeps it, 2x the bytes of k (2 GB at 128K).
+        q, k = jax.lax.optimization_barrier((apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
+        return q, k, v
+
+    def finish(layer, x, out):
+        b, n, _ = x.shape
+        x = x + layer.self_attn.o_proj(out.astype(x.dtype).reshape(b, n, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def body(carry, i):
+        x, cache = carry
+        layer = layer_at(i)
+        q, k, v = projections(layer, x)
         out, cache = attend(i, q, k, v, cache)
-        x = x + attn.o_proj(out.astype(x.dtype).reshape(b, n, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return (x, cache), None
+        return (finish(layer, x, out), cache), None
 
     if unroll:
+        if last_rows is not None:
+            raise ValueError("last_rows needs the scanned stack (unroll=False).")
         carry = (x, cache)
-        for i in range(cfg.num_hidden_layers):
-            carry, _ = body(carry, (i, jax.tree.map(lambda p, i=i: p[i], stacked)))
+        for i in range(num_layers):
+            carry, _ = body(carry, i)
         x, cache = carry
-    else:
-        layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, stacked))
+        return model.norm(x), cache
+    trimmed = last_rows is not None
+    layers = jnp.arange(num_layers - trimmed, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
+    if trimmed:
+        layer = layer_at(num_layers - 1)
+        q, k, v = projections(layer, x)
+        out, cache = attend(num_layers - 1, q, k, v, cache, out_rows=last_rows)
+        x = jnp.take_along_axis(x, last_rows[:, None, None], axis=1)
+        x = finish(layer, x, out)
     return model.norm(x), cache
+
+
+def _attend_rows(cfg: LlamaConfig, cache: KVCache, i: int, q, rows, end):
+    """Attention output `[B, 1, Hq, D]` of query `rows[b]` of each row, at position
+    `end[b] - 1`, from the cache after the chunk (layer `i` static): what a decode step of that
+    token computes (SPEC property 6), through the decode kernels."""
+    q_rows = jnp.take_along_axis(q, rows[:, None, None, None], axis=1)[:, 0]
+    attention = DECODE_IMPLEMENTATIONS[decode_implementation(cfg)]
+    out = attention(q_rows.astype(cache.k.dtype), cache.k, cache.v, cache.ck, cache.cv, i,
+                    cache.pattern, jnp.maximum(end - 1, 0))
+    return out[:, None]
 
 
 # ---- prefill -----------------------------------------------------------------------------
@@ -178,29 +217,51 @@ def _first_slots(x, i, new, done):
                                                          old[:, :n])))
 
 
-def _first_chunk_attend(cfg, pat, n, n_valid, num_slots):
+def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
     """Attention of a chunk at position 0 of every row: the model's own `run_attention` (any
     implementation, cuDNN included), then its completed slots and last raw keys into the
-    cache. The same result as the offset path, without the ring's padding rows."""
+    cache. The same result as the offset path, without the ring's padding rows. Where the
+    model's implementation has a blocked form and the pattern slots, the slots are pooled
+    once for the attention and the cache. With `out_rows`: the cache, then those rows'
+    outputs from it (`_attend_rows`)."""
     size = pat.slot_size
     pooled = min(n // size, num_slots)
     done = (jnp.arange(pooled) < (n_valid // size)[:, None])[:, :, None, None]
     zero = jnp.zeros_like(n_valid)
+    name = resolve_implementation(cfg.attention.implementation, pattern=pat,
+                                  head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
+    shared = name in BLOCKED_IMPLEMENTATIONS and pat.max_slots(n) > 0
+    num_groups = max(pooled, pat.max_slots(n)) if shared else pooled
+    if shared:
+        ranges = blocks.pattern_ranges(pat, n)
+        _, blocking = chunk_blocking(n, 0, num_groups, cfg.head_dim)
 
-    def attend(i, q, k, v, cache):
+    def attend(i, q, k, v, cache, out_rows=None):
         q = q.astype(cache.k.dtype)
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-        out = run_attention(q, k, v, pat, pooling=cfg.attention.pooling,
-                            implementation=cfg.attention.implementation)
+        new_ck = new_cv = None
+        if num_groups:
+            new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=num_groups,
+                                              pooling=cfg.attention.pooling)
+        if out_rows is None and shared:   # slots past a row's core_hi are never read
+            b = q.shape[0]
+            bounds = (jnp.broadcast_to(x, (b, n)).astype(jnp.int32)
+                      for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
+            out = BLOCKED_IMPLEMENTATIONS[name](q, k, v, new_ck, new_cv, *bounds, blocking,
+                                                window)
+        elif out_rows is None:
+            out = run_attention(q, k, v, pat, pooling=cfg.attention.pooling,
+                                implementation=cfg.attention.implementation)
         ck, cv = cache.ck, cache.cv
         if pooled:
-            new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=pooled,
-                                              pooling=cfg.attention.pooling)
-            ck, cv = _first_slots(ck, i, new_ck, done), _first_slots(cv, i, new_cv, done)
+            ck = _first_slots(ck, i, new_ck[:, :pooled], done)
+            cv = _first_slots(cv, i, new_cv[:, :pooled], done)
         cache = cache.replace(
             k=_put_layer(cache.k, i, _ring_after_chunk(_layer(cache.k, i), k, zero, n_valid)),
             v=_put_layer(cache.v, i, _ring_after_chunk(_layer(cache.v, i), v, zero, n_valid)),
             ck=ck, cv=cv)
+        if out_rows is not None:
+            out = _attend_rows(cfg, cache, i, q, out_rows, n_valid)
         return out, cache
 
     return attend
@@ -227,7 +288,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     rows = jnp.arange(b)[:, None]
     cos, sin = rope_cos_sin(pos, cfg)
     if first:
-        attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots)
+        attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window)
         return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
@@ -242,7 +303,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
         unused = jnp.zeros((b, front - ring, *ring_x.shape[2:]), ring_x.dtype)
         return jnp.concatenate([unused, old, new.astype(ring_x.dtype)], axis=1)
 
-    def attend(i, q, k, v, cache):
+    def attend(i, q, k, v, cache, out_rows=None):
         ring_k, ring_v = _layer(cache.k, i), _layer(cache.v, i)
         kv_k, kv_v = virtual(ring_k, k), virtual(ring_v, v)
         qv = jnp.concatenate([jnp.zeros((b, front, *q.shape[2:]), kv_k.dtype),
@@ -253,21 +314,29 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
                                               num_groups=slot.shape[1],
                                               pooling=cfg.attention.pooling, group_start=start)
             ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
-        out = blocked(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo, core_hi,
-                      blocking, window)[:, front:]
+        if out_rows is None:
+            out = blocked(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo,
+                          core_hi, blocking, window)[:, front:]
         cache = cache.replace(k=_put_layer(cache.k, i, _ring_after_chunk(ring_k, k, p0, end)),
                               v=_put_layer(cache.v, i, _ring_after_chunk(ring_v, v, p0, end)),
                               ck=ck, cv=cv)
+        if out_rows is not None:
+            out = _attend_rows(cfg, cache, i, q, out_rows, end)
         return out, cache
 
     return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
 
 
 def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits):
-    hidden, cache = _run_layers(model, cache, model.embed_tokens(ids), cos, sin, attend)
+    x = model.embed_tokens(ids)
+    last = jnp.maximum(n_valid - 1, 0)
+    if all_logits:
+        hidden, cache = _run_layers(model, cache, x, cos, sin, attend)
+        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+    else:   # the last layer for the last rows only
+        last_hidden, cache = _run_layers(model, cache, x, cos, sin, attend, last_rows=last)
     cache = cache.replace(lengths=end)
-    last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
-    last_logits = model.logits(last[:, 0])
+    last_logits = model.logits(last_hidden[:, 0])
     if all_logits:
         return cache, last_logits, model.logits(hidden)
     return cache, last_logits

@@ -7,6 +7,8 @@ Builds the LLaMA-2-7B-shaped model of `benchmarks/inference.py`, then
            `generate.decode_loop` (as generate runs), warm steps, then `--steps` steps under
            the profiler, then as many untraced;
   prefill: (with `--prefill`) one warm `decode.prefill` of the context under the trace.
+`--no-decode` skips the decode phase; `--clocks` samples the SM clock and power draw
+(`nvidia-smi`, every 20 ms) during the traced prefill and prints their spread.
 The trace (`.xplane.pb`) is read with `jax.profiler.ProfileData`: for each phase it prints the
 wall time, the summed kernel time on the GPU streams, the kernel count, and the kernels that
 take the most time (grouped by name). The gap between wall and kernel time is host and
@@ -20,6 +22,9 @@ import collections
 import glob
 import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import time
 
@@ -87,6 +92,40 @@ def report(phase: str, wall_ms: float, per: int, table: dict, out: str) -> None:
                        sequence=sequence), f, indent=1)
 
 
+class ClockSampler:
+    """`nvidia-smi` samples of the SM clock (MHz) and power (W) while the block runs."""
+
+    def __init__(self, period_ms: int = 20):
+        self.period_ms, self.proc, self.samples = period_ms, None, []
+
+    def __enter__(self):
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                 f"-lms={self.period_ms}"], stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        for line in out.splitlines():
+            try:
+                mhz, watts = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((mhz, watts))
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "clocks: no nvidia-smi samples"
+        mhz, watts = zip(*self.samples)
+        q = lambda xs: (min(xs), statistics.median(xs), max(xs))  # noqa: E731
+        return ("clocks (min / median / max of %d samples): SM %.0f / %.0f / %.0f MHz, "
+                "power %.0f / %.0f / %.0f W" % (len(mhz), *q(mhz), *q(watts)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impl", default="cca")
@@ -94,6 +133,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16, help="traced steps (one in g pools)")
     ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--clocks", action="store_true", help="sample SM clock and power")
     ap.add_argument("--shape", default="llama2-7b")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", required=True, help="folder for <phase>.json")
@@ -126,31 +167,32 @@ def main(argv=None):
     print(f"{args.impl} C={args.context} B={args.batch} decode={impl} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
 
-    cache = init_cache(cfg, args.batch, max_len)
-    cache = cache.replace(lengths=jnp.full((args.batch,), args.context, jnp.int32))
-    # As generate runs: pipelined steps, pooling only where a slot completes. The warm-up
-    # (more than g steps) compiles both step programs; traced and untraced runs follow.
-    loop = decode_loop(model, cache, jnp.zeros((args.batch,), jnp.int32),
-                       np.full(args.batch, args.context), key=jax.random.PRNGKey(0),
-                       max_new_tokens=WARMUP + 2 * args.steps + 1, stop_at_eos=False)
-    del cache
-    start = time.perf_counter()
-    for _ in range(WARMUP):
-        next(loop)
-    print(f"decode warm-up (compiles) {time.perf_counter() - start:.1f} s", flush=True)
-    trace_dir = os.path.join(args.trace_dir, "decode")
-    jax.profiler.start_trace(trace_dir)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        next(loop)
-    wall = (time.perf_counter() - start) * 1e3
-    jax.profiler.stop_trace()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        next(loop)
-    print(f"untraced decode {(time.perf_counter() - start) * 1e3 / args.steps:.3f} ms/step")
-    loop.close()
-    report("decode", wall, args.steps, kernel_table(trace_dir, args.top), args.out)
+    if not args.no_decode:
+        cache = init_cache(cfg, args.batch, max_len)
+        cache = cache.replace(lengths=jnp.full((args.batch,), args.context, jnp.int32))
+        # As generate runs: pipelined steps, pooling only where a slot completes. The warm-up
+        # (more than g steps) compiles both step programs; traced and untraced runs follow.
+        loop = decode_loop(model, cache, jnp.zeros((args.batch,), jnp.int32),
+                           np.full(args.batch, args.context), key=jax.random.PRNGKey(0),
+                           max_new_tokens=WARMUP + 2 * args.steps + 1, stop_at_eos=False)
+        del cache
+        start = time.perf_counter()
+        for _ in range(WARMUP):
+            next(loop)
+        print(f"decode warm-up (compiles) {time.perf_counter() - start:.1f} s", flush=True)
+        trace_dir = os.path.join(args.trace_dir, "decode")
+        jax.profiler.start_trace(trace_dir)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            next(loop)
+        wall = (time.perf_counter() - start) * 1e3
+        jax.profiler.stop_trace()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            next(loop)
+        print(f"untraced decode {(time.perf_counter() - start) * 1e3 / args.steps:.3f} ms/step")
+        loop.close()
+        report("decode", wall, args.steps, kernel_table(trace_dir, args.top), args.out)
 
     if args.prefill:
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.context))
@@ -162,13 +204,16 @@ def main(argv=None):
         del c
         print(f"prefill compile + run {time.perf_counter() - start:.1f} s", flush=True)
         trace_dir = os.path.join(args.trace_dir, "prefill")
-        with jax.profiler.trace(trace_dir):
+        clocks = ClockSampler()
+        with jax.profiler.trace(trace_dir), clocks:
             start = time.perf_counter()
             c, logits = prefill(model, init_cache(cfg, args.batch, max_len), ids,
                                 chunk_size=args.context)
             jax.block_until_ready(logits)
             wall = (time.perf_counter() - start) * 1e3
         del c
+        if args.clocks:
+            print(clocks.summary())
         report("prefill", wall, 1, kernel_table(trace_dir, args.top), args.out)
 
 
