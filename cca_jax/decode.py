@@ -137,10 +137,7 @@ def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = Fa
         q = attn.q_proj(h).reshape(b, n, cfg.num_attention_heads, cfg.head_dim)
         k = attn.k_proj(h).reshape(b, n, cfg.num_key_value_heads, cfg.head_dim)
         v = attn.v_proj(h).reshape(b, n, cfg.num_key_value_heads, cfg.head_dim)
-        # Rotated q and k stay bf16 tensors: otherwise XLA (excess precision) hands the
-        # pooling the float32 rotation and keeps it, 2x the bytes of k (2 GB at 128K).
-        q, k = jax.lax.optimization_barrier((apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
-        return q, k, v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(layer, x, out):
         b, n, _ = x.shape
@@ -172,6 +169,13 @@ def _run_layers(model, cache: KVCache, x, cos, sin, attend, *, unroll: bool = Fa
         x = jnp.take_along_axis(x, last_rows[:, None, None], axis=1)
         x = finish(layer, x, out)
     return model.norm(x), cache
+
+
+def _stored(q, k):
+    """A chunk's rotated q and k as stored bf16 tensors. Otherwise XLA (excess precision)
+    hands the pooling k's float32 rotation and keeps it for the chunk: twice k's bytes, 2 GB
+    per layer at 128K. (A decode step keeps its fusions: its tensors are one token.)"""
+    return jax.lax.optimization_barrier((q, k))
 
 
 def _attend_rows(cfg: LlamaConfig, cache: KVCache, i: int, q, rows, end):
@@ -237,6 +241,7 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
         _, blocking = chunk_blocking(n, 0, num_groups, cfg.head_dim)
 
     def attend(i, q, k, v, cache, out_rows=None):
+        q, k = _stored(q, k)
         q = q.astype(cache.k.dtype)
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         new_ck = new_cv = None
@@ -304,6 +309,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
         return jnp.concatenate([unused, old, new.astype(ring_x.dtype)], axis=1)
 
     def attend(i, q, k, v, cache, out_rows=None):
+        q, k = _stored(q, k)
         ring_k, ring_v = _layer(cache.k, i), _layer(cache.v, i)
         kv_k, kv_v = virtual(ring_k, k), virtual(ring_v, v)
         qv = jnp.concatenate([jnp.zeros((b, front, *q.shape[2:]), kv_k.dtype),

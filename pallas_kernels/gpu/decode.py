@@ -154,7 +154,11 @@ def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_r
     layer, first, count = layer_ref[...], first_ref[...], count_ref[...]
     v0, v1 = _split_range(count + slots_ref[...], pl.program_id(1), splits, block)
     c = scale * _LOG2E                                           # scores in log2 units
-    q = q_ref[...] if dots else q_ref[...].astype(jnp.float32) * c    # [16, D] / [D]
+    q = q_ref[...]                                                # [D]
+    if dots:   # the 16 equal rows are made here, not by XLA: a launch per layer less
+        q = jnp.broadcast_to(q[None], (_DOT_ROWS, q.shape[0]))
+    else:
+        q = q.astype(jnp.float32) * c
 
     def stepper(key_ref, value_ref):
         def step(start, valid, part):
@@ -203,11 +207,7 @@ def _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig, split
     per_split = pl.BlockSpec((None, None, None), lambda h, j, z: (z, h, j))
     kernel = functools.partial(_decode_kernel, ring=ring, block=cfg.block, splits=splits,
                                scale=1.0 / math.sqrt(d), dots=cfg.dots)
-    if cfg.dots:
-        q = jnp.broadcast_to(q[:, :, None], (b, hq, _DOT_ROWS, d))
-        q_spec = pl.BlockSpec((None, None, _DOT_ROWS, d), lambda h, j, z: (z, h, 0, 0))
-    else:
-        q_spec = pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0))
+    q_spec = pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0))
     return pl.pallas_call(
         kernel,
         grid=(hq, splits, b),
