@@ -368,20 +368,19 @@ def test_chunked_prefill_equals_one_prefill(name, chunk):
 def test_prefill_runs_the_last_layer_for_the_last_tokens_only():
     """Without `return_all_logits`, the last layer's attention (the decode attention over the
     filled cache), output projection and MLP run for each row's last token only. Chunks of 5
-    (a first chunk, then chunks at an offset), with the model's `naive` attention and with
-    `xla`, a blocked implementation, whose first chunk pools its slots once for the attention
-    and the cache: the last logits are the full forward's, the cache is one prefill's."""
+    (a first chunk, then chunks at an offset) with `xla`, a blocked implementation, whose
+    first chunk pools its slots once for the attention and the cache (the other tests run the
+    `naive` model's own attention, with all logits): the last logits are the full forward's,
+    the cache is one prefill's."""
     s = get_setup("cca")
     one_cache, _ = s.one_prefill()
-    for implementation in ("naive", "xla"):
-        cfg = s.cfg.replace(implementation=implementation)
-        model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-        nnx.update(model, nnx.state(s.model, nnx.Param))
-        cache, last = prefill(model, init_cache(cfg, 3, MAX_LEN), s.ids, ROW_LENGTHS,
-                              chunk_size=5)
-        for b, n in enumerate(ROW_LENGTHS):
-            np.testing.assert_allclose(np.asarray(last)[b], s.ref[b, n - 1], atol=LOGIT_TOL)
-        assert_caches_equal(cache, one_cache)
+    cfg = s.cfg.replace(implementation="xla")
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(s.model, nnx.Param))
+    cache, last = prefill(model, init_cache(cfg, 3, MAX_LEN), s.ids, ROW_LENGTHS, chunk_size=5)
+    for b, n in enumerate(ROW_LENGTHS):
+        np.testing.assert_allclose(np.asarray(last)[b], s.ref[b, n - 1], atol=LOGIT_TOL)
+    assert_caches_equal(cache, one_cache)
 
 
 def test_cache_contents_are_the_spec_layout():
