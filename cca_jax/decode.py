@@ -38,7 +38,7 @@ from flax import nnx
 from cca_jax import blocks
 from cca_jax.attention import resolve_implementation, run_attention
 from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
-from cca_jax.attention.pooling import pool_core_tokens
+from cca_jax.attention.pooling import pool_core_tokens, slots_and_bounds
 from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
 from cca_jax.kv_cache import KVCache
@@ -235,28 +235,26 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
     name = resolve_implementation(cfg.attention.implementation, pattern=pat,
                                   head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
     shared = name in BLOCKED_IMPLEMENTATIONS and pat.max_slots(n) > 0
-    num_groups = max(pooled, pat.max_slots(n)) if shared else pooled
     if shared:
-        ranges = blocks.pattern_ranges(pat, n)
-        _, blocking = chunk_blocking(n, 0, num_groups, cfg.head_dim)
+        _, blocking = chunk_blocking(n, 0, max(pooled, pat.max_slots(n)), cfg.head_dim)
 
     def attend(i, q, k, v, cache, out_rows=None):
         q, k = _stored(q, k)
         q = q.astype(cache.k.dtype)
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-        new_ck = new_cv = None
-        if num_groups:
-            new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=num_groups,
-                                              pooling=cfg.attention.pooling)
-        if out_rows is None and shared:   # slots past a row's core_hi are never read
-            b = q.shape[0]
-            bounds = (jnp.broadcast_to(x, (b, n)).astype(jnp.int32)
-                      for x in (ranges.raw_lo, ranges.core_lo, ranges.core_hi))
+        if shared and out_rows is None:
+            new_ck, new_cv, *bounds = slots_and_bounds(q, k, v, pat,
+                                                       pooling=cfg.attention.pooling,
+                                                       min_slots=pooled)
             out = BLOCKED_IMPLEMENTATIONS[name](q, k, v, new_ck, new_cv, *bounds, blocking,
                                                 window)
-        elif out_rows is None:
-            out = run_attention(q, k, v, pat, pooling=cfg.attention.pooling,
-                                implementation=cfg.attention.implementation)
+        else:
+            if pooled:
+                new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=pooled,
+                                                  pooling=cfg.attention.pooling)
+            if out_rows is None:
+                out = run_attention(q, k, v, pat, pooling=cfg.attention.pooling,
+                                    implementation=cfg.attention.implementation)
         ck, cv = cache.ck, cache.cv
         if pooled:
             ck = _first_slots(ck, i, new_ck[:, :pooled], done)

@@ -90,15 +90,20 @@ def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str 
 
 
 def slots_and_bounds(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
-                     segment_ids=None):
+                     segment_ids=None, min_slots: int = 0):
     """What every blocked implementation starts from: the slots' keys/values and row bounds.
 
     Returns `ck, cv [B, m, Hq, D]` (CCA's core tokens, streaming's sinks; m = 0 for full and
     sliding) and int32 `raw_lo, core_lo, core_hi [B, L]` (`blocks.pattern_ranges`, broadcast
-    over the batch).
+    over the batch). `min_slots` (unpacked rows): pool at least that many slots, e.g. all a
+    cache keeps; no row reads the ones past its `core_hi`.
     """
     b, length = q.shape[:2]
     m = pattern.max_slots(length, packed=segment_ids is not None)
+    if min_slots > m:
+        if segment_ids is not None:
+            raise ValueError("min_slots is for unpacked rows (segment_ids=None).")
+        m = min(min_slots, length // pattern.slot_size)
     ranges = pattern_ranges(pattern, length, segment_ids)
     ck, cv = pool_core_tokens(q, k, v, group_size=pattern.slot_size, num_groups=m,
                               pooling=pooling, group_start=ranges.group_start)
