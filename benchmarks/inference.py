@@ -72,6 +72,23 @@ def _where(extra: dict) -> dict:
                 command="python benchmarks/inference.py " + " ".join(sys.argv[1:]), **extra)
 
 
+def decode_times(model, cache, token, context: int, steps: int) -> list[float]:
+    """ms between tokens of `steps` greedy steps of `generate.decode_loop` (as generate runs:
+    pipelined, pooling only in steps that complete a slot) from `cache` at `context`."""
+    import jax
+    import numpy as np
+
+    from cca_jax.generate import decode_loop
+
+    times, last = [], time.perf_counter()
+    for _ in decode_loop(model, cache, token, np.full(token.shape[0], context),
+                         max_new_tokens=steps, key=jax.random.PRNGKey(0), stop_at_eos=False):
+        now = time.perf_counter()
+        times.append((now - last) * 1e3)
+        last = now
+    return times
+
+
 def bench_ours(kind: str, args) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -80,7 +97,6 @@ def bench_ours(kind: str, args) -> list[dict]:
 
     from cca_jax.config import LlamaConfig
     from cca_jax.decode import decode_implementation, offset_implementation, prefill
-    from cca_jax.generate import decode_loop
     from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
     from cca_jax.model import LlamaForCausalLM
 
@@ -139,13 +155,7 @@ def bench_ours(kind: str, args) -> list[dict]:
         # Decode as generate runs it (cca_jax.generate.decode_loop: pipelined, pooling only
         # in steps that complete a slot): the mean time between tokens over --decode-tokens
         # steps after --decode-warmup steps (which compile both step programs).
-        times, last = [], time.perf_counter()
-        for _ in decode_loop(model, cache, token, np.full(args.batch, context),
-                             max_new_tokens=steps,
-                             key=jax.random.PRNGKey(0), stop_at_eos=False):
-            now = time.perf_counter()
-            times.append((now - last) * 1e3)
-            last = now
+        times = decode_times(model, cache, token, context, steps)
         steady = times[args.decode_warmup:]
         ms = statistics.mean(steady)
         stats = jax.devices()[0].memory_stats() or {}

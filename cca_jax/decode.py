@@ -235,8 +235,6 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
     name = resolve_implementation(cfg.attention.implementation, pattern=pat,
                                   head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
     shared = name in BLOCKED_IMPLEMENTATIONS and pat.max_slots(n) > 0
-    if shared:
-        _, blocking = chunk_blocking(n, 0, max(pooled, pat.max_slots(n)), cfg.head_dim)
 
     def attend(i, q, k, v, cache, out_rows=None):
         q, k = _stored(q, k)
@@ -246,6 +244,7 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
             new_ck, new_cv, *bounds = slots_and_bounds(q, k, v, pat,
                                                        pooling=cfg.attention.pooling,
                                                        min_slots=pooled)
+            _, blocking = chunk_blocking(n, 0, new_ck.shape[1], cfg.head_dim)
             out = BLOCKED_IMPLEMENTATIONS[name](q, k, v, new_ck, new_cv, *bounds, blocking,
                                                 window)
         else:

@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WARMUP = 20
@@ -32,13 +31,11 @@ def main(argv=None):
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
-    from benchmarks.inference import SHAPES, _max_len
+    from benchmarks.inference import SHAPES, _max_len, decode_times
     from benchmarks.measure import PAPER_PATTERNS
     from cca_jax.config import LlamaConfig
-    from cca_jax.generate import decode_loop
     from cca_jax.kv_cache import init_cache
     from cca_jax.model import LlamaForCausalLM
 
@@ -58,13 +55,8 @@ def main(argv=None):
         model = models[kind]
         cache = init_cache(model.config, 1, max_len)
         cache = cache.replace(lengths=jnp.full((1,), args.context, jnp.int32))
-        times, last = [], time.perf_counter()
-        for _ in decode_loop(model, cache, jnp.zeros((1,), jnp.int32), np.full(1, args.context),
-                             max_new_tokens=WARMUP + args.tokens, key=jax.random.PRNGKey(0),
-                             stop_at_eos=False):
-            now = time.perf_counter()
-            times.append((now - last) * 1e3)
-            last = now
+        times = decode_times(model, cache, jnp.zeros((1,), jnp.int32), args.context,
+                             WARMUP + args.tokens)
         return statistics.mean(times[WARMUP:])
 
     results = {"cca": [], "full": []}

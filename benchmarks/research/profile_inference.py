@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -204,7 +205,7 @@ def main(argv=None):
         del c
         print(f"prefill compile + run {time.perf_counter() - start:.1f} s", flush=True)
         trace_dir = os.path.join(args.trace_dir, "prefill")
-        clocks = ClockSampler()
+        clocks = ClockSampler() if args.clocks else contextlib.nullcontext()
         with jax.profiler.trace(trace_dir), clocks:
             start = time.perf_counter()
             c, logits = prefill(model, init_cache(cfg, args.batch, max_len), ids,
