@@ -21,3 +21,10 @@ def stories(tmp_path_factory):
     fx.stories260k_to_hf(fx.STORIES, base / "hf")
     convert_hf_to_flax(base / "hf", base / "ours", verbose=False)
     return base
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `long` first (a stable sort): pytest-xdist hands tests out in collection
+    order, and the README test (about 3 minutes) collected late left one worker running it
+    alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = ("pip install", "python -m pytest")
 
@@ -25,6 +27,7 @@ def commands(script: str) -> list[str]:
     return [line for line in lines if line and not line.startswith(SKIP)]
 
 
+@pytest.mark.long
 def test_readme_blocks_run_as_written(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
     found = blocks()
@@ -46,7 +49,6 @@ def test_spec_copy_is_current():
     """docs/SPEC.md is the project's SPEC verbatim (the shared one wins; refresh the copy)."""
     shared = ROOT.parent / "shared" / "SPEC.md"
     if not shared.exists():
-        import pytest
         pytest.skip("no shared/SPEC.md beside the repository")
     assert (ROOT / "docs" / "SPEC.md").read_text() == shared.read_text(), (
         "docs/SPEC.md differs from ../shared/SPEC.md: copy it again")

@@ -109,6 +109,7 @@ def _losses(out):
 TINY_ARGS = ["--preset", "tiny", "--seq-len", "64", "--save-every", "3", "--no-export-hf"]
 
 
+@pytest.mark.long
 def test_run_learns_resumes_exactly_and_is_deterministic(tmp_path):
     """The README's main job on every device: loss falls; a rerun with more steps resumes
     (params, optimizer, step, data) and reproduces an uninterrupted run step for step."""
