@@ -162,14 +162,12 @@ def test_bad_inputs_fail_before_compute(tmp_path, args, match, capsys):
 
 def test_out_dir_of_another_run_or_with_user_files_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
+    # A run refused for a bad input leaves nothing that blocks the corrected command.
+    assert finetune.main(TINY_ARGS + ["--steps", "1", "--batch-size", "4",
+                                      "--out", str(out)]) == 2
     assert finetune.main(TINY_ARGS + ["--steps", "1", "--out", str(out)]) == 0
     assert finetune.main(TINY_ARGS + ["--steps", "2", "--lr", "0.1", "--out", str(out)]) == 2
     assert "different run" in capsys.readouterr().err
-    # A run refused for a bad input leaves nothing that blocks the corrected command.
-    fixed = tmp_path / "fixed"
-    assert finetune.main(TINY_ARGS + ["--steps", "1", "--batch-size", "4",
-                                      "--out", str(fixed)]) == 2
-    assert finetune.main(TINY_ARGS + ["--steps", "1", "--out", str(fixed)]) == 0
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
