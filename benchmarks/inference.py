@@ -25,6 +25,8 @@ keys/values zeros; a decode step reads every visible entry whatever the values, 
 time is that of a real C-token context) - for batches whose prefill would take minutes.
 `hf_sdpa`: transformers' `LlamaForCausalLM` (attn_implementation="sdpa", bf16, on the GPU):
 `model(ids, use_cache=True)` then one-token steps with its past_key_values.
+`--ckpt DIR`: a converted or fine-tuned checkpoint (its own attention settings) in place of
+the random model.
 
 Writes `<out>.json` (records: impl, context, batch, ttft_s, first_call_s,
 decode_ms_per_token, tokens_per_s, kv_cache_bytes, full_kv_cache_bytes, peak_gib, chunk,
@@ -89,6 +91,18 @@ def decode_times(model, cache, token, context: int, steps: int) -> list[float]:
     return times
 
 
+def load_checkpoint(path: str, max_len: int):
+    """A converted or fine-tuned checkpoint, with its own attention settings, able to hold
+    `max_len` positions."""
+    from cca_jax.checkpoint import find_config
+    from cca_jax.config import LlamaConfig
+    from cca_jax.pretrained import from_pretrained
+
+    stored = LlamaConfig.from_pretrained_dir(find_config(path))
+    return from_pretrained(path, max_position_embeddings=max(stored.max_position_embeddings,
+                                                             max_len))
+
+
 def bench_ours(kind: str, args) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -102,12 +116,16 @@ def bench_ours(kind: str, args) -> list[dict]:
 
     contexts = [int(c) for c in args.contexts.split(",")]
     steps = args.decode_warmup + args.decode_tokens
-    p = PAPER_PATTERNS[kind]
-    cfg = LlamaConfig(**SHAPES[args.shape],
-                      max_position_embeddings=_max_len(max(contexts), steps),
-                      attention=dict(kind=kind, group_size=p.group_size,
-                                     window_size=p.window_size, sink_tokens=p.sink_tokens))
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    if args.ckpt:
+        model = load_checkpoint(args.ckpt, _max_len(max(contexts), steps))
+        cfg, kind = model.config, model.config.attention.kind
+    else:
+        p = PAPER_PATTERNS[kind]
+        cfg = LlamaConfig(**SHAPES[args.shape],
+                          max_position_embeddings=_max_len(max(contexts), steps),
+                          attention=dict(kind=kind, group_size=p.group_size,
+                                         window_size=p.window_size, sink_tokens=p.sink_tokens))
+        model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     decode_impl = decode_implementation(cfg)
     rng = np.random.default_rng(0)
     records = []
@@ -125,6 +143,7 @@ def bench_ours(kind: str, args) -> list[dict]:
             return cache, token, time.perf_counter() - start
 
         rec = dict(impl=kind, context=context, batch=args.batch, chunk=chunk,
+                   model=args.ckpt or args.shape,
                    offset_impl=offset_implementation(cfg), decode_impl=decode_impl)
         if args.no_prefill:
             cache = init_cache(cfg, args.batch, max_len)
@@ -281,6 +300,9 @@ def main(argv=None):
     ap.add_argument("--no-prefill", action="store_true",
                     help="time decode on a cache whose lengths are set to the context")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    ap.add_argument("--ckpt", default=None,
+                    help="a converted or fine-tuned checkpoint instead of --shape's random "
+                         "weights; its own attention settings replace --impl")
     ap.add_argument("--out", default="benchmarks/results/inference_h200")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="instead of measuring, combine earlier --out JSON files into --out")
@@ -297,7 +319,10 @@ def main(argv=None):
     header = [f"# Long-context inference on {first['device']}", "",
               f"- date: {first['date']}; {versions}",
               *[f"- command: `{c}`" for c in sorted({r['command'] for r in records})],
-              "- LLaMA-2-7B shape, random bf16 weights; cca g = 16, s = 1024; sliding W = 1024;"
+              *[f"- checkpoint (its own attention settings): `{m}`" for m in sorted(
+                  {r.get("model", "llama2-7b") for r in records} - set(SHAPES))],
+              "- otherwise LLaMA-2-7B shape, random bf16 weights; cca g = 16, s = 1024; "
+              "sliding W = 1024;"
               " streaming N = 4, W = 1024; greedy; TTFT = prefill + first token (warm run); "
               "decode = mean time between tokens of a pipelined loop (ours), median step (hf); "
               "rows with TTFT '-' were measured "
