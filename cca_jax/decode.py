@@ -357,18 +357,9 @@ position 0): the chunk then runs as the model's own forward does (`run_attention
 included), with no ring rows in front."""
 
 
-def prefill(model, cache: KVCache, input_ids, lengths=None, *,
-            chunk_size: int = DEFAULT_CHUNK_SIZE, return_all_logits: bool = False):
-    """Append prompts to the cache in chunks of `chunk_size` tokens.
-
-    input_ids: int `[B, T]`; row `b` appends its first `lengths[b]` tokens (default all `T`)
-    at positions `cache.lengths[b] ...`. Each chunk attends to the cache so far plus itself,
-    so memory is the cache plus one chunk at any prompt length; every chunk has the same
-    shape (one compilation per chunk size). Returns `(cache, logits [B, V])`, the logits after
-    each row's last prompt token (zeros for rows with none), float32; with
-    `return_all_logits`, also the logits of every position, `[B, max(lengths), V]` (memory:
-    that many floats). The cache passed in is consumed (donated).
-    """
+def _prefill_plan(model, cache: KVCache, input_ids, lengths, chunk_size: int):
+    """Checked inputs of `prefill` -> (lengths [B], the chunk calls: `(ids [B, chunk],
+    n_valid [B], first, width)` each, numpy)."""
     cfg = model.config
     _check_cache(cfg, cache)
     ids = np.asarray(input_ids)
@@ -391,24 +382,80 @@ def prefill(model, cache: KVCache, input_ids, lengths=None, *,
                          f"{int(start.max())}) exceeds the cache's max_len={cache.max_len}.")
     chunk = min(chunk_size, max(t, 1))
     empty = not start.any()
-    model_state = nnx.split(model)
-    last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
-    all_logits = []
+    calls = []
     for c0 in range(0, max(int(lengths.max(initial=0)), 1), chunk):
         part = np.zeros((b, chunk), np.int32)
         width = min(chunk, t - c0)
         part[:, :width] = ids[:, c0:c0 + width]
         n_valid = np.clip(lengths - c0, 0, chunk).astype(np.int32)
-        out = prefill_chunk(model_state, cache, jnp.asarray(part), jnp.asarray(n_valid),
-                            all_logits=return_all_logits, first=empty and c0 == 0)
+        calls.append((part, n_valid, empty and c0 == 0, width))
+    return lengths, calls
+
+
+def _merge_kind(n_valid, empty: bool):
+    """How a chunk's last logits enter `prefill`'s: "take" them (every row had tokens in the
+    chunk), merge them into the earlier ones ("merge", or "zeros" before any), or None."""
+    if n_valid.all():
+        return "take"
+    if n_valid.any() or empty:
+        return "zeros" if empty else "merge"
+    return None
+
+
+@jax.jit
+def _keep_last(n_valid, new, last):
+    """The logits after each row's last prompt token so far: the chunk's `new` where the row
+    had tokens in it, else `last` (zeros before the first chunk: `last=None`)."""
+    return jnp.where((n_valid > 0)[:, None], new, 0.0 if last is None else last)
+
+
+def prefill(model, cache: KVCache, input_ids, lengths=None, *,
+            chunk_size: int = DEFAULT_CHUNK_SIZE, return_all_logits: bool = False):
+    """Append prompts to the cache in chunks of `chunk_size` tokens.
+
+    input_ids: int `[B, T]`; row `b` appends its first `lengths[b]` tokens (default all `T`)
+    at positions `cache.lengths[b] ...`. Each chunk attends to the cache so far plus itself,
+    so memory is the cache plus one chunk at any prompt length; every chunk has the same
+    shape (one compilation per chunk size). Returns `(cache, logits [B, V])`, the logits after
+    each row's last prompt token (zeros for rows with none), float32; with
+    `return_all_logits`, also the logits of every position, `[B, max(lengths), V]` (memory:
+    that many floats). The cache passed in is consumed (donated).
+    """
+    lengths, calls = _prefill_plan(model, cache, input_ids, lengths, chunk_size)
+    model_state = nnx.split(model)
+    last = None
+    all_logits = []
+    for i, (part, n_valid, first, width) in enumerate(calls):
+        out = prefill_chunk(model_state, cache, part, n_valid, all_logits=return_all_logits,
+                            first=first)
         cache, chunk_last = out[0], out[1]
-        last = jnp.where(jnp.asarray(n_valid > 0)[:, None], chunk_last, last)
+        merge = _merge_kind(n_valid, i == 0)
+        if merge == "take":
+            last = chunk_last
+        elif merge is not None:
+            last = _keep_last(n_valid, chunk_last, None if merge == "zeros" else last)
         if return_all_logits:
             all_logits.append(out[2][:, :width])
     if return_all_logits:
         longest = int(lengths.max(initial=0))
         return cache, last, jnp.concatenate(all_logits, axis=1)[:, :longest]
     return cache, last
+
+
+def compile_prefill(model, cache: KVCache, input_ids, lengths=None, *,
+                    chunk_size: int = DEFAULT_CHUNK_SIZE, return_all_logits: bool = False
+                    ) -> None:
+    """Compile the chunk programs `prefill` runs on these arguments (each distinct one once)
+    without running them or consuming the cache, so that a timed prefill compiles nothing."""
+    _, calls = _prefill_plan(model, cache, input_ids, lengths, chunk_size)
+    model_state = nnx.split(model)
+    for part, n_valid, first, _ in {c[2]: c for c in calls}.values():
+        out = prefill_chunk.lower(model_state, cache, part, n_valid,
+                                  all_logits=return_all_logits, first=first).compile()
+    logits = jax.ShapeDtypeStruct(out.out_info[1].shape, out.out_info[1].dtype)
+    merges = {_merge_kind(call[1], i == 0) for i, call in enumerate(calls)}
+    for merge in merges - {None, "take"}:
+        _keep_last.lower(calls[0][1], logits, None if merge == "zeros" else logits).compile()
 
 
 # ---- decode ------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ their cache and feed padding).
 
     python -m cca_jax.generate --ckpt DIR --prompt "Once upon a time" --max-new-tokens 64
 
-streams the continuation to stdout as text; the prompt tokens, time to first token, decode
-speed and KV cache size go to stderr. `--attention/--group-size/--window-size/--sink-tokens`
+streams the continuation to stdout as text; the prompt tokens, compilation time (every
+program is compiled before the clocks start), time to first token, decode speed and KV cache
+size go to stderr. `--attention/--group-size/--window-size/--sink-tokens`
 override the checkpoint's attention settings (CCA's inference flexibility).
 """
 
@@ -31,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cca_jax import blocks
-from cca_jax.decode import (DECODE_COMPILER_OPTIONS, DEFAULT_CHUNK_SIZE, decode_step_traced,
-                            prefill)
-from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
+from cca_jax.decode import (DECODE_COMPILER_OPTIONS, DEFAULT_CHUNK_SIZE, compile_prefill,
+                            decode_step_traced, prefill)
+from cca_jax.kv_cache import cache_bytes, cache_shapes, full_cache_bytes, init_cache
 from cca_jax.padding import round_up
 from cca_jax.sampling import check_sampling, sample
 
@@ -45,13 +46,15 @@ _FROM_CONFIG = object()
 
 @dataclasses.dataclass
 class GenerationStats:
-    """Filled in by `stream_generate` as it runs (seconds, tokens, bytes)."""
+    """Filled in by `stream_generate` as it runs (seconds, tokens, bytes). Every program
+    (prefill chunks, sampling, each decode step program) is compiled before the clocks start,
+    so the times below hold no compilation."""
     prompt_tokens: list[int] = dataclasses.field(default_factory=list)
     max_len: int = 0
-    time_to_first_token: float = 0.0     # prefill + first sample (incl. compilation)
-    first_decode_step_seconds: float = 0.0   # the first decode step (incl. compilation)
-    decode_tokens: int = 0      # tokens of the later decode steps, all rows together
-    decode_seconds: float = 0.0  # time in those steps (decode + sample), not the consumer's
+    compile_seconds: float = 0.0         # compiling the prefill and decode programs
+    time_to_first_token: float = 0.0     # prefill + first sample
+    decode_tokens: int = 0      # tokens after each row's first, all rows together
+    decode_seconds: float = 0.0  # wall time from the first tokens to the last ones
     kv_cache_bytes: int = 0
     full_attention_kv_cache_bytes: int = 0
 
@@ -126,11 +129,14 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
     lengths = np.array([len(p) for p in prompts], np.int32)
     longest = int(lengths.max())
     stats.prompt_tokens = lengths.tolist()
-    if max_new_tokens == 0:
-        return
     max_len = resolve_max_len(longest, max_new_tokens, max_len, cfg.max_position_embeddings)
     cfg.check_length(max_len)
     batch = len(prompts)
+    stats.max_len = max_len
+    stats.kv_cache_bytes = cache_bytes(cache_shapes(cfg, batch, max_len))
+    stats.full_attention_kv_cache_bytes = full_cache_bytes(cfg, batch, max_len)
+    if max_new_tokens == 0:
+        return
     width = min(round_up(longest, LENGTH_BUCKET), max_len)
     ids = np.zeros((batch, width), np.int32)
     for row, p in enumerate(prompts):
@@ -138,14 +144,18 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
     pad = cfg.pad_token_id
     pad = pad if pad is not None and 0 <= pad < cfg.vocab_size else 0
 
-    start = time.perf_counter()
     cache = init_cache(cfg, batch, max_len)
-    stats.max_len = max_len
-    stats.kv_cache_bytes = cache_bytes(cache)
-    stats.full_attention_kv_cache_bytes = full_cache_bytes(cfg, batch, max_len)
-    cache, logits = prefill(model, cache, ids, lengths, chunk_size=min(chunk_size, width))
-    key = jax.random.PRNGKey(seed)
+    chunk_size = min(chunk_size, width)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    start = time.perf_counter()   # compile the prefill's programs and sampling's, untimed
+    compile_prefill(model, cache, ids, lengths, chunk_size=chunk_size)
+    key = jax.random.PRNGKey(seed)
+    sample(jnp.zeros((batch, cfg.vocab_size), jnp.float32), jax.random.fold_in(key, 0),
+           **settings).block_until_ready()
+    stats.compile_seconds += time.perf_counter() - start
+
+    start = time.perf_counter()
+    cache, logits = prefill(model, cache, ids, lengths, chunk_size=chunk_size)
     tokens = sample(logits, jax.random.fold_in(key, 0), **settings)
     tokens.block_until_ready()
     stats.time_to_first_token = time.perf_counter() - start
@@ -170,6 +180,18 @@ def _advance(model_state, cache, tokens, done, step, key, eos, pad, *, sampling,
     return nxt, done, step + 1, cache
 
 
+def _step_programs(pattern, positions, steps: int, num_slots: int) -> list[bool]:
+    """The `pool_slots` values of the `_advance` programs that `steps` decode steps from
+    `positions` (one per row) can run: without pooling (any step, once rows finish), and with
+    it if some step completes a slot the cache stores."""
+    if steps < 1:
+        return []
+    if not num_slots:
+        return [False]
+    t = np.asarray(positions)[None, :] + np.arange(steps)[:, None]
+    return [False] + ([True] if blocks.completes_slot(pattern, t, num_slots).any() else [])
+
+
 def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
                 temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, stop_at_eos: bool = True, eos=(), pad: int = 0,
@@ -181,7 +203,9 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
     Pipelined: step n + 1 is dispatched before the tokens of step n are read back, so the
     device never waits for the host (a stop at EOS is seen one step late: that step is
     computed and dropped). Steps where no running row completes a slot skip pooling
-    (`decode_step(pool_slots=False)`, decided from the host's positions). The cache is
+    (`decode_step(pool_slots=False)`, decided from the host's positions): a second program.
+    Every program the loop can run is compiled before the first step (`stats.compile_seconds`);
+    `stats.decode_seconds` is the wall time from the first tokens to the last. The cache is
     consumed.
     """
     from flax import nnx
@@ -195,23 +219,28 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
     done_dev = jnp.zeros(len(positions), bool)
     step_dev = jnp.zeros((), jnp.int32)
     host_done = np.zeros(len(positions), bool)
+    static = dict(sampling=sampling, stop_at_eos=bool(stop_at_eos and eos))
+    start = time.perf_counter()
+    for pool in _step_programs(pattern, positions, max_new_tokens - 1, num_slots):
+        _advance.lower(model_state, cache, tokens, done_dev, step_dev, key, eos_ids, pad,
+                       pool_slots=pool, **static).compile()
+    stats.compile_seconds += time.perf_counter() - start
+    first_out = None
     for step in range(max_new_tokens):
-        t0 = time.perf_counter()
         nxt = None
         if step < max_new_tokens - 1:
             running = positions[~host_done]
             pool = bool(num_slots and blocks.completes_slot(pattern, running, num_slots).any())
             nxt = _advance(model_state, cache, tokens, done_dev, step_dev, key, eos_ids, pad,
-                           sampling=sampling, stop_at_eos=bool(stop_at_eos and eos),
-                           pool_slots=pool)
+                           pool_slots=pool, **static)
             cache = nxt[3]
         emitted = ~np.asarray(done_dev)
         out = np.asarray(tokens)
-        if step > 1:
+        if first_out is None:
+            first_out = time.perf_counter()
+        else:
             stats.decode_tokens += int(emitted.sum())
-            stats.decode_seconds += time.perf_counter() - t0
-        else:   # the first step's dispatch (compilation) and its tokens
-            stats.first_decode_step_seconds += time.perf_counter() - t0
+            stats.decode_seconds = time.perf_counter() - first_out
         yield out, emitted
         if stop_at_eos and eos:
             host_done = ~emitted | np.isin(out, eos)
@@ -364,11 +393,18 @@ ATTENTION_FLAGS = ("attention", "group_size", "window_size", "sink_tokens")
 def add_attention_args(ap: argparse.ArgumentParser) -> None:
     """The attention flags every inference CLI shares (generate, cca_jax.eval)."""
     ap.add_argument("--attention", choices=("cca", "full", "sliding", "streaming"),
-                    default=None, help="attention option (default: the checkpoint's)")
-    ap.add_argument("--group-size", type=int, default=None, help="CCA group size g")
-    ap.add_argument("--window-size", type=int, default=None,
-                    help="local window (CCA s, sliding/streaming W)")
-    ap.add_argument("--sink-tokens", type=int, default=None, help="streaming's sink tokens N")
+                    default=None, help="attention option: cca (core tokens plus a local "
+                    "window), full, sliding (a window), streaming (sinks plus a window) "
+                    "(default: the checkpoint's)")
+    ap.add_argument("--group-size", type=int, default=None, metavar="G",
+                    help="CCA group size g: one core token per G tokens (default: the "
+                    "checkpoint's)")
+    ap.add_argument("--window-size", type=int, default=None, metavar="W",
+                    help="local window in tokens: CCA's s, sliding's and streaming's W "
+                    "(default: the checkpoint's)")
+    ap.add_argument("--sink-tokens", type=int, default=None, metavar="N",
+                    help="streaming's attention sinks: the first N tokens stay visible "
+                    "(default: the checkpoint's)")
 
 
 def attention_overrides(a) -> dict:
@@ -379,26 +415,37 @@ def attention_overrides(a) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cca_jax.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, help="converted checkpoint directory "
-                    "(convert.hf_to_flax output, or a train checkpoint) with its tokenizer")
+    ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
+                    "directory (convert.hf_to_flax output, or a train.finetune export such as "
+                    "OUT/final) with its tokenizer (required)")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file holding the prompt text (UTF-8)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (128)")
-    ap.add_argument("--greedy", action="store_true", help="argmax decoding (the default "
-                    "unless --temperature is given)")
-    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature "
-                    "(> 0 samples; 0 = greedy)")
-    ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
-    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text (required: this or "
+                     "--prompt-file)")
+    src.add_argument("--prompt-file", metavar="FILE", help="file holding the prompt text, "
+                     "UTF-8 (required: this or --prompt)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                    help="tokens to generate; fewer where --max-len or the model's "
+                    "max_position_embeddings ends first (default: 128)")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding, which is also "
+                    "what runs without --temperature (default: off)")
+    ap.add_argument("--temperature", type=float, default=None, metavar="T",
+                    help="sampling temperature: > 0 samples, 0 is greedy (default: greedy)")
+    ap.add_argument("--top-k", type=int, default=None, metavar="K",
+                    help="sample among the K most likely tokens only (default: all tokens)")
+    ap.add_argument("--top-p", type=float, default=None, metavar="P",
+                    help="nucleus sampling: the most likely tokens whose probability "
+                    "reaches P, 0 < P <= 1 (default: 1, all tokens)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling draws "
+                    "(default: 0)")
     add_attention_args(ap)
-    ap.add_argument("--max-len", type=int, default=None, help="KV cache capacity in tokens "
-                    "(default: prompt + new tokens)")
-    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
-                    help=f"prefill chunk in tokens ({DEFAULT_CHUNK_SIZE})")
+    ap.add_argument("--max-len", type=int, default=None, metavar="N",
+                    help="KV cache capacity in tokens, prompt included (default: prompt + "
+                    f"--max-new-tokens, rounded up to a multiple of {LENGTH_BUCKET})")
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, metavar="N",
+                    help="prefill chunk in tokens: memory is the cache plus one chunk "
+                    f"(default: {DEFAULT_CHUNK_SIZE})")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="parameter/activation dtype (default: the checkpoint's)")
+                    help="parameter and activation dtype (default: the checkpoint's)")
     return ap
 
 
@@ -481,13 +528,18 @@ def run(a, out=None, err=None) -> int:
         raise UsageError(str(e)) from None
     stream.end()
     generated = len(stream.ids)
-    print(f"time to first token: {stats.time_to_first_token:.3f} s (prefill, incl. "
-          "compilation)", file=err)
+    if new_tokens:
+        print(f"compilation: {stats.compile_seconds:.3f} s (prefill, sampling and decode "
+              "programs, before any timing)", file=err)
+        print(f"time to first token: {stats.time_to_first_token:.3f} s (prefill and the first "
+              "sample)", file=err)
     if stats.decode_tokens:
         rate = stats.decode_tokens / max(stats.decode_seconds, 1e-9)
-        print(f"decode: {rate:.1f} tokens/s ({stats.decode_tokens} tokens in "
-              f"{stats.decode_seconds:.3f} s; the first decode step, incl. compilation, took "
-              f"{stats.first_decode_step_seconds:.3f} s)", file=err)
+        print(f"decode: {rate:.1f} tokens/s ({stats.decode_tokens} tokens after the first in "
+              f"{stats.decode_seconds:.3f} s)", file=err)
+    elif new_tokens == 0:
+        print("decode: nothing to generate (--max-new-tokens 0, or the prompt fills the "
+              "cache: raise --max-len)", file=err)
     else:
         print(f"decode: {generated} token(s) generated, too few to time decoding", file=err)
     print(f"KV cache: {_size(stats.kv_cache_bytes)} for max_len={stats.max_len} "

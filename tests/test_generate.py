@@ -158,6 +158,61 @@ def test_generate_bad_inputs(tiny):
     assert generate(model, [[1, 2]], max_new_tokens=0) == [[]]
 
 
+def test_every_program_compiles_before_the_clocks_start(tiny, monkeypatch):
+    """The time to first token and the decode rate hold no compilation: every prefill,
+    sampling and decode step program (also the step that pools, first run at step 2 here:
+    positions 5, 6, 7 with g = 4) compiles before the timed prefill starts, and its time is
+    reported on its own (`compile_seconds`). A max_len no other test uses: fresh programs."""
+    model, _ = tiny
+    phase, events = ["compile"], []
+
+    def listener(name, secs, **kw):
+        if name.startswith("/jax/core/compile/"):
+            events.append((phase[-1], name))
+
+    real_prefill, real_loop = gen.prefill, gen.decode_loop
+
+    def timed_prefill(*args, **kw):    # the time to first token starts here
+        phase.append("prefill")
+        return real_prefill(*args, **kw)
+
+    def loop(*args, **kw):             # and ends before the decode loop, which compiles first
+        phase.append("compile")
+        yield from real_loop(*args, **kw)
+
+    monkeypatch.setattr(gen, "prefill", timed_prefill)
+    monkeypatch.setattr(gen, "decode_loop", loop)
+    stats = gen.GenerationStats()
+    steps = stream_generate(model, [[5, 9, 2, 7, 11]], max_new_tokens=12, max_len=88,
+                            chunk_size=2, stats=stats, stop_at_eos=False)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        next(steps)
+        phase.append("decode")
+        rest = list(steps)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(rest) == 11 and phase == ["compile", "prefill", "compile", "decode"]
+    assert [e for e in events if e[0] != "compile"] == [], events
+    assert ("compile", "/jax/core/compile/backend_compile_duration") in events
+    assert stats.compile_seconds > 0 and stats.time_to_first_token > 0
+    assert stats.decode_tokens == 11 and stats.decode_seconds > 0
+
+
+def test_stats_name_the_cache_when_nothing_is_generated(tiny):
+    """With max_new_tokens 0 (or a prompt that fills max_len) the stats still give the
+    cache's max_len and size, not 0."""
+    from cca_jax.kv_cache import cache_bytes, init_cache
+    model, _ = tiny
+    for max_len, want in ((None, 64), (5, 5)):
+        stats = gen.GenerationStats()
+        assert list(stream_generate(model, [[5, 9, 2, 7, 11]], max_new_tokens=0,
+                                    max_len=max_len, stats=stats)) == []
+        assert stats.max_len == want
+        assert stats.kv_cache_bytes == cache_bytes(init_cache(model.config, 1, want))
+        assert stats.full_attention_kv_cache_bytes > 0
+
+
 # ---- stories260K: parity with transformers -----------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -277,8 +332,19 @@ def test_cli_generates_end_to_end(cli_ckpt, capsys, monkeypatch):
     assert len(seen["tokens"]) == 12 or seen["tokens"][-1] == 2
     text = tok.decode(seen["prompt"][-4:] + seen["tokens"], skip_special_tokens=True)
     assert out == text[len(tok.decode(seen["prompt"][-4:], skip_special_tokens=True)):] + "\n"
-    for line in ("prompt tokens: 5", "time to first token:", "tokens/s", "KV cache:"):
+    for line in ("prompt tokens: 5", "compilation:", "time to first token:", "tokens/s",
+                 "KV cache:"):
         assert line in err, err
+
+
+def test_cli_names_the_cache_when_nothing_is_generated(cli_ckpt, capsys):
+    """--max-new-tokens 0, or a prompt (5 tokens) that fills --max-len: the report gives the
+    real max_len, not 0, and says why nothing was generated."""
+    for argv, max_len in ((["--max-new-tokens", 0], 64), (["--max-len", 5], 5)):
+        code, out, err = run_cli(["--ckpt", cli_ckpt, "--prompt", "Once upon a time"] + argv,
+                                 capsys)
+        assert code == 0, err
+        assert f"for max_len={max_len} " in err and "nothing to generate" in err, err
 
 
 def test_cli_bad_inputs(cli_ckpt, tmp_path, capsys):
