@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import tomllib
+from pathlib import Path
 from typing import Any
 
+from cca_jax.attention import IMPLEMENTATION_CHOICES
+from cca_jax.blocks import ATTENTION_KINDS
+from cca_jax.config import DTYPES, REMAT_POLICIES
 from cca_jax.sharding import MESH_AXES
 
 TRAINABLE = {
@@ -45,56 +50,87 @@ PRESET_MODELS: dict[str, dict[str, Any]] = {
 PRESETS = tuple(PRESET_DEFAULTS)
 
 
+def _opt(default: Any, help: str, choices: tuple | None = None, unset: str = "") -> Any:
+    """A `TrainConfig` field with its flag's help text, choices and (for a None default) what
+    leaving it unset means: `--help` is generated from these (`build_parser`), so each
+    setting is described in this one place."""
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "choices": choices, "unset": unset})
+
+
+OWN = "the checkpoint's own"    # what an unset model setting means
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One fine-tuning run. `checkpoint` (from convert/) or `preset` says what model."""
 
-    out: str = ""
-    checkpoint: str | None = None
-    preset: str | None = None          # a random model: "tiny" (CPU) or "llama2-7b-shape"
+    out: str = _opt("", "the run's output directory (required): checkpoints/, metrics.jsonl, "
+                    "final/ and hf/; a rerun into the same one resumes")
+    checkpoint: str | None = _opt(None, "the model to fine-tune: a directory written by "
+                                  "python -m convert.hf_to_flax (or give --preset)")
+    preset: str | None = _opt(None, "a random model instead of --checkpoint: tiny runs on a "
+                              "CPU, the *-shape ones time real model sizes", PRESETS)
     # data
-    data: str = "builtin"              # "builtin", a .txt/.jsonl(.gz)/dir path, "tfds:NAME[:SPLIT]"
-    data_dir: str | None = None        # TFDS data dir
-    text_field: str = "text"
-    seq_len: int = 4096
-    # Packed documents see only themselves (segment ids; RoPE positions restart per document).
-    # --no-document-mask: each row is one stretch of text that attends across its documents
-    # with positions 0..L-1 (the paper's LongLoRA-style data), which cuDNN's full attention
-    # can run (it takes no segment ids).
-    document_mask: bool = True
-    batch_size: int = 1                # sequences per optimizer step, across all devices...
-    grad_accum: int = 1                # ...in this many micro-batches
+    data: str = _opt("builtin", "the text to train on: builtin, a .txt / .jsonl / .jsonl.gz "
+                     "file or a directory of them, or tfds:NAME[:SPLIT]")
+    data_dir: str | None = _opt(None, "where a tfds: data set is prepared",
+                                unset="~/tensorflow_datasets")
+    text_field: str = _opt("text", "the field holding the text in .jsonl records and TFDS "
+                           "features")
+    seq_len: int = _opt(4096, "tokens per training row")
+    document_mask: bool = _opt(True, "packed documents see only themselves (segment ids), "
+                               "positions restarting per document; --no-document-mask: a row "
+                               "attends across its documents at positions 0..L-1 (the "
+                               "paper's LongLoRA-style data; cuDNN's full attention runs it)")
+    batch_size: int = _opt(1, "sequences per optimizer step, across all devices")
+    grad_accum: int = _opt(1, "micro-batches the --batch-size is split into (gradient "
+                           "accumulation)")
     # model and attention (None: the checkpoint's own)
-    attention: str | None = None
-    group_size: int | None = None
-    window_size: int | None = None
-    sink_tokens: int | None = None
-    implementation: str | None = None
-    rope_theta: float | None = None    # the paper used 5e5 for LLaMA-2 at long context
-    remat: str = "full"
-    dtype: str = "bfloat16"
+    attention: str | None = _opt(None, "the attention option to train with",
+                                 tuple(sorted(ATTENTION_KINDS)), OWN)
+    group_size: int | None = _opt(None, "cca: tokens pooled into one core token",
+                                  unset=OWN)
+    window_size: int | None = _opt(None, "cca / sliding / streaming: the local window in "
+                                   "tokens", unset=OWN)
+    sink_tokens: int | None = _opt(None, "streaming: the first tokens every query sees",
+                                   unset=OWN)
+    implementation: str | None = _opt(None, "the attention backend",
+                                      IMPLEMENTATION_CHOICES, OWN)
+    rope_theta: float | None = _opt(None, "RoPE base (the paper used 5e5 for LLaMA-2 "
+                                    "at long context)", unset=OWN)
+    remat: str = _opt("full", "per-layer rematerialization policy", tuple(REMAT_POLICIES))
+    dtype: str = _opt("bfloat16", "parameter and activation dtype (optimizer state stays "
+                      "float32)", tuple(DTYPES))
     # optimizer
-    trainable: str = "all"
-    lr: float = 2e-5
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 2.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
+    trainable: str = _opt("all", "which parameters train; the rest are frozen and get no "
+                          "optimizer state", tuple(TRAINABLE))
+    lr: float = _opt(2e-5, "AdamW learning rate after the warm-up")
+    warmup_steps: int = _opt(20, "steps of linear warm-up from 0 to --lr, then constant")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = _opt(2.0, "gradients are clipped to this global norm")
+    adam_b1: float = _opt(0.9, "AdamW beta1")
+    adam_b2: float = _opt(0.95, "AdamW beta2")
     # run
-    steps: int = 1000                  # total length of the run (a rerun with more resumes)
-    seed: int = 0
-    mesh: str = "fsdp=-1"              # axis=size pairs over data, fsdp, tensor, sequence
-    save_every: int = 100              # 0: never (benchmarks)
-    keep: int = 2
-    log_every: int = 1
-    loss_chunk: int = 1024             # tokens per chunk of the cross-entropy
-    export_hf: bool = True
+    steps: int = _opt(1000, "total optimizer steps of the run (a rerun with more resumes)")
+    seed: int = _opt(0, "seed of the random model and of the data order")
+    mesh: str = _opt("fsdp=-1", "device mesh as axis=size pairs over data, fsdp, tensor, "
+                     "sequence, e.g. fsdp=4,sequence=2 (one size may be -1: the rest)")
+    save_every: int = _opt(100, "steps between checkpoints; 0: no checkpoints and no export "
+                           "(benchmarks)")
+    keep: int = _opt(2, "checkpoints kept (the oldest are deleted)")
+    log_every: int = _opt(1, "steps between metrics.jsonl records")
+    loss_chunk: int = _opt(1024, "tokens per chunk of the cross-entropy (the [L, vocab] "
+                           "logits never exist at once)")
+    export_hf: bool = _opt(True, "also export OUT/hf (Hugging Face format) at the end")
     # several processes (train/multihost.py): jax.distributed.initialize's arguments
-    distributed: bool = False          # also implied by --coordinator
-    coordinator: str | None = None     # HOST:PORT of process 0's coordinator service
-    num_processes: int | None = None
-    process_id: int | None = None
+    distributed: bool = _opt(False, "one of several processes, found by JAX itself (Cloud "
+                             "TPU, SLURM, Open MPI, Kubernetes); implied by --coordinator")
+    coordinator: str | None = _opt(None, "HOST:PORT of process 0's coordinator service, for "
+                                   "several processes")
+    num_processes: int | None = _opt(None, "how many processes run the job (with "
+                                     "--coordinator)")
+    process_id: int | None = _opt(None, "this process's index, 0..N-1 (with --coordinator)")
 
     def __post_init__(self):
         def need(cond, msg):
@@ -115,7 +151,15 @@ class TrainConfig:
         need(self.batch_size % self.grad_accum == 0,
              f"--batch-size {self.batch_size} must be a multiple of --grad-accum "
              f"{self.grad_accum} (each micro-batch holds batch_size / grad_accum sequences).")
-        need(self.lr > 0 and self.max_grad_norm > 0, "--lr and --max-grad-norm must be > 0.")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}.")
+        need(self.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {self.max_grad_norm}.")
+        need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}.")
+        need(0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1,
+             f"--adam-b1 and --adam-b2 must be in [0, 1), got {self.adam_b1}, {self.adam_b2}.")
+        need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+             "--warmup-steps must be an integer >= 0.")
+        need(isinstance(self.seed, int) and 0 <= self.seed < 2**32,
+             f"--seed must be an integer in [0, 2**32), got {self.seed}.")
         if self.coordinator is not None:
             need(self.num_processes is not None and self.num_processes >= 1
                  and self.process_id is not None
@@ -167,36 +211,91 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _kind(field: dataclasses.Field) -> str:
+    """The field's value type: "int", "float", "str" or "bool" (its annotation, less None)."""
+    return str(field.type).split("|")[0].strip()
+
+
+def _is_negative_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return token.startswith("-")
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes a token like -1e-3 for an option and says
+    "expected one argument"; a number is a value, whatever its sign."""
+    out: list[str] = []
+    for token in argv:
+        if (out and out[-1].startswith("--") and "=" not in out[-1]
+                and _is_negative_number(token)):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The settings of a `--config` file, checked against `TrainConfig`'s fields and types;
+    every problem is a one-line ValueError naming the file (and the line, for syntax)."""
+    try:
+        settings = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file.") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: not a TOML text file ({e}).") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: invalid TOML: {e}; fix that line.") from None
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {unknown}; the keys are the flag names "
+                         "with underscores (python -m train.finetune --help).")
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    for name, value in settings.items():
+        kind = _kind(fields[name])
+        if isinstance(value, bool) != (kind == "bool") or not isinstance(value, types[kind]):
+            raise ValueError(f"{path}: {name} = {value!r} is not a{'n' * (kind == 'int')} "
+                             f"{kind}.")
+    return settings
+
+
+def build_parser(defaults: dict[str, Any]) -> argparse.ArgumentParser:
+    """One flag per `TrainConfig` field, with the help, default and choices of its `_opt`."""
+    ap = argparse.ArgumentParser(prog="python -m train.finetune",
+                                 description="Sharded CCA fine-tuning (README: Fine-tuning). "
+                                 "Settings come from the flags, then a --config TOML file, "
+                                 "then the preset, then these defaults.")
+    ap.add_argument("--config", metavar="FILE.toml",
+                    help="a TOML file of settings (keys: the flag names with underscores); "
+                    "flags override it")
+    for f in dataclasses.fields(TrainConfig):
+        default = defaults.get(f.name, f.default)
+        shown = f.metadata["unset"] if default in (None, "") else "%(default)s"
+        help_text = f.metadata["help"] + (f" (default: {shown})" if shown else "")
+        kind = _kind(f)
+        if kind == "bool":
+            ap.add_argument(_flag(f.name), default=default, help=help_text,
+                            action=argparse.BooleanOptionalAction)
+            continue
+        ap.add_argument(_flag(f.name), default=default, help=help_text,
+                        choices=f.metadata["choices"],
+                        type={"int": int, "float": float}.get(kind, str))
+    return ap
+
+
 def parse_args(argv=None) -> TrainConfig:
     """TrainConfig from `--config FILE.toml` (optional) and flags (which win)."""
+    argv = attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--preset")
     known, _ = pre.parse_known_args(argv)
-    from_file: dict[str, Any] = {}
-    if known.config:
-        with open(known.config, "rb") as f:
-            from_file = tomllib.load(f)
-        unknown = sorted(set(from_file) - {f.name for f in dataclasses.fields(TrainConfig)})
-        if unknown:
-            raise ValueError(f"{known.config}: unknown settings {unknown}.")
+    from_file = read_toml(known.config) if known.config else {}
     preset = known.preset or from_file.get("preset")
     defaults = {**PRESET_DEFAULTS.get(preset, {}), **from_file}
-    ap = argparse.ArgumentParser(prog="python -m train.finetune",
-                                 description="Sharded CCA fine-tuning (see README).")
-    ap.add_argument("--config", help="a TOML file of settings; flags override it")
-    for f in dataclasses.fields(TrainConfig):
-        default = defaults.get(f.name, f.default)
-        if f.type in ("bool",):
-            ap.add_argument(_flag(f.name), default=default,
-                            action=argparse.BooleanOptionalAction)
-            continue
-        kind = {"int": int, "float": float}.get(str(f.type), None)
-        if str(f.type).startswith("int |"):
-            kind = int
-        elif str(f.type).startswith("float |"):
-            kind = float
-        ap.add_argument(_flag(f.name), default=default, type=kind or str)
-    values = vars(ap.parse_args(argv))
+    values = vars(build_parser(defaults).parse_args(argv))
     values.pop("config")
     return TrainConfig(**values)

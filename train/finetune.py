@@ -14,7 +14,12 @@ step, to OUT/metrics.jsonl. Orbax saves asynchronously every `--save-every` step
 OUT/checkpoints, keeping the last `--keep`; rerunning the same command with a larger
 `--steps` resumes (parameters, optimizer state, step, data position) and metrics.jsonl
 continues. The end of the run exports OUT/final (our format) and OUT/hf (Hugging Face,
-through convert.flax_to_hf); `--save-every 0` (for benchmarks) saves and exports nothing.
+`python -m convert.flax_to_hf` in a child process); `--save-every 0` (for benchmarks) saves
+and exports nothing.
+
+Every input is checked before anything is written, so a refused command leaves OUT as it was.
+Ctrl-C exits with status 130 and one line: the last complete checkpoint and the command that
+resumes from it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +48,11 @@ from train import multihost
 from train import step as steps
 from train.config import PRESET_MODELS, TRAINABLE, TrainConfig, parse_args
 from train.flops import peak_flops, train_flops_per_sequence
+from train.testing import pause_point
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
 
 
 def preset_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
@@ -125,7 +135,8 @@ def check_shapes(cfg: TrainConfig, mesh, model_cfg: LlamaConfig, tokenizer) -> N
 
 
 def _metrics_continue(path: Path, step: int) -> None:
-    """Keep only metrics.jsonl lines of steps <= `step` (a resumed run logs the rest again)."""
+    """Keep only metrics.jsonl lines of steps <= `step`, the step the run (re)starts from: a
+    run killed before its checkpoint logged steps that the rerun logs again."""
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines()
@@ -141,14 +152,20 @@ def _device_batch(batch: dict, cfg: TrainConfig, sharding, sequence_sharding) ->
 
 
 EXPORT_STEP = "trained_steps.json"   # in OUT/final: the step its parameters are from
+EXPORTING = ".export"                # OUT/.export: exports while they are written
 
 
-def _exported_step(final: Path) -> int | None:
-    """The step of the parameters in OUT/final (0 if it predates the marker), None if absent."""
+class ExportError(Exception):
+    """The Hugging Face export failed (the training and OUT/final are complete)."""
+
+
+def _export_tag(final: Path) -> str | None:
+    """How an existing OUT/final is set aside: "step<K>" (its marker), "unmarked" (no marker:
+    cut short by a kill under an older version, or older than the marker), None if absent."""
     if not final.exists():
         return None
     marker = final / EXPORT_STEP
-    return json.loads(marker.read_text())["step"] if marker.exists() else 0
+    return f"step{json.loads(marker.read_text())['step']}" if marker.exists() else "unmarked"
 
 
 def _set_aside(path: Path, tag: str) -> None:
@@ -160,56 +177,86 @@ def _set_aside(path: Path, tag: str) -> None:
     path.rename(target)
 
 
+def _export_hf(final: Path, building: Path, hf: Path) -> None:
+    """OUT/hf from OUT/final by `python -m convert.flax_to_hf` in a child process, built in
+    `building` and renamed into place. In a child, the converter's orbax restores are no
+    collective of this job: in a run of several processes only process 0 exports, and a
+    restore in it waited for processes that were waiting for the end of the run."""
+    root = str(Path(__file__).resolve().parents[1])     # where convert/ lives
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",       # host arrays only; devices stay ours
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "convert.flax_to_hf", "--ckpt", str(final),
+                           "--out", str(building), "--quiet"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ExportError(f"the Hugging Face export failed ({last}); OUT/final is complete: "
+                          f"python -m convert.flax_to_hf --ckpt {final} --out {hf} retries it.")
+    building.rename(hf)
+
+
 def _export(out: Path, state, model_cfg: LlamaConfig, cfg: TrainConfig, step: int) -> None:
     """OUT/final (our format, saved by every process together, as orbax does) and OUT/hf
-    (process 0), of the parameters after `step` steps. A longer rerun of the run exports
+    (process 0), of the parameters after `step` steps. Each is built under OUT/.export and
+    renamed into place when complete, so a kill never leaves a partial export under a final
+    name (a rerun removes OUT/.export and exports again). A longer rerun of the run exports
     again: the earlier export moves to OUT/final-step<K> (and hf-step<K>)."""
     from cca_jax.checkpoint import save_pretrained
-    from convert.flax_to_hf import convert_flax_to_hf
     from convert.hf_io import copy_tokenizer_files
 
-    final, hf = out / "final", out / "hf"
+    final, hf, building = out / "final", out / "hf", out / EXPORTING
     params = multihost.to_host(steps.merge_params(state.trainable, state.frozen))
     multihost.barrier("export")
-    earlier = _exported_step(final)
+    earlier = _export_tag(final)
     multihost.barrier("export decided")     # every process takes the same branch
     main = multihost.is_main()
-    if earlier != step:
+    if main and building.exists():
+        shutil.rmtree(building)             # what a kill cut short: ours, and never used
+    if earlier != f"step{step}":
         if main and earlier is not None:
-            _set_aside(final, f"step{earlier}")
+            _set_aside(final, earlier)
             if hf.exists():
-                _set_aside(hf, f"step{earlier}")
+                _set_aside(hf, earlier)
         multihost.barrier("export moved")
-        save_pretrained(final, params, model_cfg)
+        save_pretrained(building / "final", params, model_cfg)
         if main:
-            (final / EXPORT_STEP).write_text(json.dumps({"step": step}))
+            (building / "final" / EXPORT_STEP).write_text(json.dumps({"step": step}))
             if cfg.checkpoint is not None:
-                copy_tokenizer_files(Path(cfg.checkpoint), final)
+                copy_tokenizer_files(Path(cfg.checkpoint), building / "final")
+            pause_point("export")
+            (building / "final").rename(final)
     if main and cfg.export_hf and not hf.exists():
-        convert_flax_to_hf(final, hf, verbose=False)
+        _export_hf(final, building / "hf", hf)
+    if main and building.exists():
+        building.rmdir()
 
 
 def run(cfg: TrainConfig) -> dict:
     """Train; returns {"losses": [...] of this invocation's steps, "out": OUT}."""
-    from train.data import make_batches, make_tokenizer
+    from train.data import check_source, make_batches, make_tokenizer
 
     multihost.initialize(cfg)
+    # Every check before the first write: a refused run leaves OUT as it was, so the
+    # corrected command can use the same --out.
     out = check_run_dir(cfg)
     tokenizer = make_tokenizer(cfg.checkpoint)
     mesh = make_mesh(cfg.mesh_shape)
     check_shapes(cfg, mesh, model_config(cfg, tokenizer), tokenizer)
+    data_cache = str(out / DATA_CACHE)
+    check_source(cfg.data, data_dir=cfg.data_dir, text_field=cfg.text_field,
+                 cache_dir=data_cache)
+    model = load_model(cfg, tokenizer)    # its own checks: a Hugging Face dir, no params...
     multihost.barrier("inputs checked")   # no process writes into OUT before all have read it
 
     def data():
         batches = make_batches(cfg.data, tokenizer, seq_len=cfg.seq_len,
                                batch_size=cfg.batch_size, seed=cfg.seed, data_dir=cfg.data_dir,
-                               text_field=cfg.text_field, cache_dir=str(out / DATA_CACHE))
+                               text_field=cfg.text_field, cache_dir=data_cache)
         if multihost.is_main():
             record_run(out, cfg)
         return batches
     batches = multihost.main_first("data prepared", data)   # one preparation of a data cache
 
-    model = load_model(cfg, tokenizer)
     model_cfg = model.config
     sequence_sharding = steps.sequence_sharding_for(mesh, model_cfg.attention.pattern)
     model.sequence_sharding = sequence_sharding
@@ -233,7 +280,7 @@ def run(cfg: TrainConfig) -> dict:
                          donate_argnums=(0,))
 
     manager = ocp.CheckpointManager(
-        (out / "checkpoints").absolute(),
+        (out / CHECKPOINTS).absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                              enable_async_checkpointing=True))
     start = manager.latest_step() or 0
@@ -245,61 +292,92 @@ def run(cfg: TrainConfig) -> dict:
             data=ocp.args.JsonRestore()))
         state = steps.TrainState(**restored["state"])
         batches.set_state(restored["data"])
-        if multihost.is_main():
-            _metrics_continue(out / METRICS, start)
+    if multihost.is_main():
+        _metrics_continue(out / METRICS, start)
 
     flops = train_flops_per_sequence(model_cfg, cfg.seq_len, TRAINABLE[cfg.trainable])
     flops *= cfg.batch_size
     peak = peak_flops(jax.devices()[0].device_kind)
     losses = []
     schedule = steps.lr_schedule(cfg)
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
-               disable=not multihost.is_main())
     last = time.perf_counter()
     metrics_path = out / METRICS if multihost.is_main() else Path(os.devnull)
-    with open(metrics_path, "a") as log:
-        for step in range(start, cfg.steps):
-            batch = _device_batch(next(batches), cfg, batch_sharding3, sequence_sharding)
-            state, metrics = train_step(state, batch)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                seconds = (now - last) / ((step - start) % cfg.log_every + 1
-                                          if step > start else 1)
-                last = now
-                record = {"step": step + 1, "loss": metrics["loss"],
-                          "grad_norm": metrics["grad_norm"],
-                          "lr": float(schedule(step)),
-                          "step_s": seconds,
-                          "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
-                          "mfu": (flops / seconds / (peak * jax.device_count())
-                                  if peak else None)}
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                losses.append(record["loss"])
-                bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
-                manager.save(step + 1, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state._asdict()),
-                    data=ocp.args.JsonSave(batches.get_state())))
-    bar.close()
-    manager.wait_until_finished()
-    manager.close()
+    try:
+        with (open(metrics_path, "a") as log,
+              tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
+                   disable=not multihost.is_main()) as bar):
+            for step in range(start, cfg.steps):
+                batch = _device_batch(next(batches), cfg, batch_sharding3, sequence_sharding)
+                state, metrics = train_step(state, batch)
+                if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    now = time.perf_counter()
+                    seconds = (now - last) / ((step - start) % cfg.log_every + 1
+                                              if step > start else 1)
+                    last = now
+                    record = {"step": step + 1, "loss": metrics["loss"],
+                              "grad_norm": metrics["grad_norm"],
+                              "lr": float(schedule(step)),
+                              "step_s": seconds,
+                              "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
+                              "mfu": (flops / seconds / (peak * jax.device_count())
+                                      if peak else None)}
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    losses.append(record["loss"])
+                    bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+                if cfg.save_every and ((step + 1) % cfg.save_every == 0
+                                       or step + 1 == cfg.steps):
+                    pause_point(f"save {step + 1}")
+                    manager.save(step + 1, args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state._asdict()),
+                        data=ocp.args.JsonSave(batches.get_state())))
+                pause_point(f"step {step + 1}")
+    finally:
+        manager.wait_until_finished()   # also on Ctrl-C: the save in flight completes
+        manager.close()
     if cfg.save_every:
         _export(out, state, model_cfg, cfg, cfg.steps)
     multihost.barrier("run done")   # no process leaves while another still exports
     return {"losses": losses, "out": str(out)}
 
 
+def last_checkpoint(out: Path) -> int | None:
+    """The step of the last complete checkpoint in OUT/checkpoints (None: there is none)."""
+    found = ocp.utils.checkpoint_steps(out / CHECKPOINTS)
+    return max(found) if found else None
+
+
+def interrupted(cfg: TrainConfig | None, argv: list[str]) -> str:
+    """The one line Ctrl-C prints: the last complete checkpoint and the command resuming it."""
+    command = shlex.join(["python", "-m", "train.finetune", *argv])
+    if cfg is None:
+        return f"interrupted; rerun with: {command}"
+    step = last_checkpoint(Path(cfg.out))
+    if step is None:
+        return (f"interrupted before the first checkpoint of {cfg.out}; the same command "
+                f"starts again: {command}")
+    return (f"interrupted: the last complete checkpoint is step {step} of {cfg.out}; resume "
+            f"from it with: {command}")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = None
     try:
         cfg = parse_args(argv)
         result = run(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(interrupted(cfg, argv), file=sys.stderr)
+        return 130
     print(f"done: {len(result['losses'])} steps logged to {Path(result['out']) / METRICS}")
     return 0
 

@@ -27,12 +27,12 @@ import grain
 import numpy as np
 
 from .packing import PackIterDataset, build_row, frame_document
-from .sources import resolve_source
+from .sources import check_local_source, is_prepared_local, resolve_source
 from .tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, encode_array,
                          make_tokenizer)
 
 __all__ = ["BatchIterator", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_row",
-           "check_vocab", "frame_document", "make_batches", "make_tokenizer"]
+           "check_source", "check_vocab", "frame_document", "make_batches", "make_tokenizer"]
 
 STATE_VERSION = 1
 # Documents tokenized ahead of the packer, and threads doing it. Bounded so that long
@@ -103,6 +103,28 @@ def _check_int(name: str, value: Any, low: int, fix: str) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}: {fix}")
 
 
+def _require_text(records, field: str, source: str) -> None:
+    """Some document must have text, or packing would never finish (local sources already
+    dropped blank documents; this stops at the first record in the usual case)."""
+    if not any(_text_of(records[i], field).strip() for i in range(len(records))):
+        raise ValueError(f"data source {source!r} holds no text (every {field!r} is blank): "
+                         "give a source with text")
+
+
+def check_source(source: str, *, data_dir: str | None = None, text_field: str = "text",
+                 cache_dir: str | None = None) -> None:
+    """Every check `make_batches` makes of its source, writing nothing, so that a trainer
+    can refuse a bad source before it writes into its output directory. A local source not
+    yet prepared in `cache_dir` is read through once (its preparation reads it again)."""
+    if is_prepared_local(source, text_field=text_field, cache_dir=cache_dir) is False:
+        check_local_source(source, text_field=text_field)
+        return
+    # a tfds: source, or a prepared local one: opening it writes nothing
+    records, field = resolve_source(source, data_dir=data_dir, text_field=text_field,
+                                    cache_dir=cache_dir)
+    _require_text(records, field, source)
+
+
 def make_batches(source: str, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
                  seed: int = 0, data_dir: str | None = None, text_field: str = "text",
                  cache_dir: str | None = None) -> BatchIterator:
@@ -125,11 +147,7 @@ def make_batches(source: str, tokenizer: Tokenizer, *, seq_len: int, batch_size:
                              "make_tokenizer(checkpoint_dir)")
     records, field = resolve_source(source, data_dir=data_dir, text_field=text_field,
                                     cache_dir=cache_dir)
-    # Some document must have text, or packing would never finish (local sources already
-    # dropped blank documents; this stops at the first record in the usual case).
-    if not any(_text_of(records[i], field).strip() for i in range(len(records))):
-        raise ValueError(f"data source {source!r} holds no text (every {field!r} is blank): "
-                         "give a source with text")
+    _require_text(records, field, source)
     docs = (grain.MapDataset.source(records).shuffle(seed=int(seed)).repeat(None)
             .map(_Tokenize(tokenizer, field))
             .to_iter_dataset(grain.ReadOptions(num_threads=READ_THREADS,

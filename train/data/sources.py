@@ -17,15 +17,18 @@ with no text at all is an error before any compute.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 LOCAL_NAME = "cca_local_text"
+LOCAL_VERSION = "1.0.0"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 PG19_BOOK = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg19_10146.txt"
 BUILTIN_TEXT = Path(__file__).resolve().parent / "builtin_text.txt"
@@ -111,17 +114,16 @@ def read_documents(files: Sequence[Path], text_field: str,
                     yield f"{i}:{n}", text
 
 
+@functools.cache
 def _local_builder_class():
-    """The TFDS builder over local files (defined on first use, so TFDS loads lazily)."""
-    global _LOCAL_BUILDER
-    if _LOCAL_BUILDER is not None:
-        return _LOCAL_BUILDER
+    """The TFDS builder over local files (defined once, on first use, so TFDS loads lazily;
+    defining it registers its name with TFDS)."""
     tfds = _tfds()
 
     class CcaLocalText(tfds.core.GeneratorBasedBuilder):
         """Local .txt / .jsonl(.gz) files as one `train` split of {"text": Text}."""
 
-        VERSION = tfds.core.Version("1.0.0")
+        VERSION = tfds.core.Version(LOCAL_VERSION)
 
         def __init__(self, *, files: Sequence[str] = (), text_field: str = "text",
                      gutenberg: bool = False, **kwargs):
@@ -143,11 +145,16 @@ def _local_builder_class():
             for key, text in read_documents(self._files, self._text_field, self._gutenberg):
                 yield key, {"text": text}
 
-    _LOCAL_BUILDER = CcaLocalText
+        # TFDS announces every preparation as "Downloading and preparing dataset ...",
+        # though nothing is downloaded here: say what happens instead.
+        def _log_download_bytes(self):
+            print(f"data: preparing {len(self._files)} local file(s) once into the cache "
+                  f"{self.data_dir} (later runs reuse it)", file=sys.stderr, flush=True)
+
+        def _log_download_done(self):
+            pass
+
     return CcaLocalText
-
-
-_LOCAL_BUILDER = None
 
 
 def cache_key(files: Sequence[Path], text_field: str, gutenberg: bool) -> str:
@@ -162,21 +169,37 @@ def cache_key(files: Sequence[Path], text_field: str, gutenberg: bool) -> str:
     return h.hexdigest()[:20]
 
 
+def check_documents(files: Sequence[Path], text_field: str, gutenberg: bool = False,
+                    label: str = "") -> None:
+    """Read every document of local files once, writing nothing: a record that is not JSON,
+    lacks `text_field` or is not UTF-8, or a source with no text at all, raises here."""
+    if sum(1 for _ in read_documents(files, text_field, gutenberg)) == 0:
+        raise ValueError(f"data source {label or str(files[0])!r} holds no text (empty or "
+                         "whitespace-only files/records): give a source with text")
+
+
+def _local_data_dir(files: Sequence[Path], text_field: str, gutenberg: bool,
+                    cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE) / cache_key(files, text_field, gutenberg)
+
+
+def _is_prepared(data_dir: Path) -> bool:
+    return (data_dir / LOCAL_NAME / str(LOCAL_VERSION) / "dataset_info.json").is_file()
+
+
 def prepare_local(files: Sequence[Path], *, text_field: str, cache_dir: str | os.PathLike | None,
                   gutenberg: bool = False, label: str = "") -> str:
-    """Prepare local files as a TFDS data set once; returns its data_dir."""
+    """Prepare local files as a TFDS data set once; returns its data_dir. Every document is
+    checked before the first byte of a new cache entry is written."""
     files = list(files)
-    docs = read_documents(files, text_field, gutenberg)
-    if next(docs, None) is None:  # stops at the first document in the usual case
-        raise ValueError(f"data source {label or files[0]!r} holds no text (empty or "
-                         "whitespace-only files/records): give a source with text")
-    data_dir = Path(cache_dir or DEFAULT_CACHE) / cache_key(files, text_field, gutenberg)
-    cls = _local_builder_class()
-    if not (data_dir / LOCAL_NAME / str(cls.VERSION) / "dataset_info.json").is_file():
+    data_dir = _local_data_dir(files, text_field, gutenberg, cache_dir)
+    if not _is_prepared(data_dir):
+        check_documents(files, text_field, gutenberg, label)
         # TFDS writes into an `incomplete.*` folder and renames it when done, so an
         # interrupted preparation is redone rather than read half-written.
-        builder = cls(files=[str(f) for f in files], text_field=text_field,
-                      gutenberg=gutenberg, data_dir=str(data_dir), file_format="array_record")
+        builder = _local_builder_class()(files=[str(f) for f in files], text_field=text_field,
+                                         gutenberg=gutenberg, data_dir=str(data_dir),
+                                         file_format="array_record")
         builder.download_and_prepare()
     return str(data_dir)
 
@@ -233,15 +256,32 @@ def resolve_source(source: str, *, data_dir: str | None, text_field: str,
         if len(src) == 0:
             raise ValueError(f"data source {source!r} is empty: give a split with documents")
         return src, text_field
+    files, field, gutenberg = _local_source(source, text_field)
+    local_dir = prepare_local(files, text_field=field, cache_dir=cache_dir, gutenberg=gutenberg,
+                              label=source)
+    return open_tfds(LOCAL_NAME, "train", local_dir, "text"), "text"
+
+
+def _local_source(source: str, text_field: str) -> tuple[list[Path], str, bool]:
+    """(files, the text field in them, whether Gutenberg markers are stripped) of a local
+    source: "builtin" or a path."""
     if source == "builtin":
         if PG19_BOOK.is_file():
-            files, gutenberg = [PG19_BOOK], True
-        else:
-            files, gutenberg = [BUILTIN_TEXT], False
-        local_dir = prepare_local(files, text_field="text", cache_dir=cache_dir,
-                                  gutenberg=gutenberg, label="builtin")
-    else:
-        files = local_files(Path(source).expanduser())
-        local_dir = prepare_local(files, text_field=text_field, cache_dir=cache_dir,
-                                  label=source)
-    return open_tfds(LOCAL_NAME, "train", local_dir, "text"), "text"
+            return [PG19_BOOK], "text", True
+        return [BUILTIN_TEXT], "text", False
+    return local_files(Path(source).expanduser()), text_field, False
+
+
+def is_prepared_local(source: str, *, text_field: str, cache_dir: str | None) -> bool | None:
+    """For a local source: whether `cache_dir` already holds it prepared (reading it then
+    writes nothing). None for a `tfds:` source, which is never prepared here."""
+    if not isinstance(source, str) or not source or source.startswith("tfds:"):
+        return None
+    files, field, gutenberg = _local_source(source, text_field)
+    return _is_prepared(_local_data_dir(files, field, gutenberg, cache_dir))
+
+
+def check_local_source(source: str, *, text_field: str) -> None:
+    """Every check of a local source's preparation, writing nothing (reads each document)."""
+    files, field, gutenberg = _local_source(source, text_field)
+    check_documents(files, field, gutenberg, label=source)
