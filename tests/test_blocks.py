@@ -2,7 +2,9 @@
 
 The brute force below never uses the `n_core` formula: a group becomes a core token once its
 last token is `s` positions back (SPEC 4: "visible ... from t = (j+1)*g + s - 1 on"), and the
-raw window starts where the visible groups end (SPEC 2: no overlap, no gap).
+raw window starts where the visible groups end (SPEC 2: no overlap, no gap). The other
+options (full, sliding, streaming), and the KV cache's ring and slots, are checked against the
+per-query oracle of `tests/visibility_oracle.py` (also written from SPEC, not from `blocks`).
 """
 
 import itertools
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from cca_jax import blocks
+from tests import visibility_oracle as oracle
 
 
 # ---- brute force from the SPEC text --------------------------------------------------------
@@ -70,6 +73,66 @@ def test_brute_force_partitions_the_past():
             assert u == g * nc and (nc == 0 or (nc * g - 1) + s <= p)
             window = p + 1 - u
             assert (window == p + 1) if p < s - 1 else (s <= window <= s + g - 1), (g, s, p)
+
+
+# ---- every option against the per-query oracle ----------------------------------------------
+
+ORACLE_PATTERNS = [
+    blocks.AttentionPattern("full"),
+    *[blocks.AttentionPattern("sliding", window_size=w) for w in (1, 2, 5, 7)],
+    *[blocks.AttentionPattern("streaming", window_size=w, sink_tokens=n)
+      for w, n in ((1, 1), (3, 0), (4, 2), (5, 3), (2, 6))],
+    *[blocks.cca_pattern(g, s) for g, s in ((1, 3), (3, 5), (4, 2), (2, 7))],
+]
+
+
+def _pattern_id(p):
+    return f"{p.kind}-g{p.group_size}-w{p.window_size}-n{p.sink_tokens}"
+
+
+@pytest.mark.parametrize("pattern", ORACLE_PATTERNS, ids=_pattern_id)
+def test_oracle_sees_every_spec_key_exactly_once(pattern):
+    """The oracle is fair: each key SPEC's one-line rule says query p attends to is seen
+    raw or inside exactly one slot, and nothing else is; windows hold W keys (sliding,
+    streaming) or s .. s+g-1 (cca)."""
+    for p in range(30):
+        count = np.zeros(p + 1, int)
+        for u in range(p + 1):
+            count[u] += oracle.sees_raw(pattern, p, u)
+        for c in oracle.slots_seen(pattern, p):
+            count[oracle.slot_tokens(pattern, c)] += 1
+        want = [oracle.spec_sees(pattern, p, u) for u in range(p + 1)]
+        np.testing.assert_array_equal(count, want, err_msg=f"p={p}")
+        window = sum(oracle.sees_raw(pattern, p, u) for u in range(p + 1))
+        if pattern.kind in ("sliding", "streaming"):
+            assert window == min(p + 1, pattern.window_size)
+        if pattern.kind == "cca":
+            g, s = pattern.group_size, pattern.window_size
+            assert window == p + 1 if p < s - 1 else s <= window <= s + g - 1
+
+
+@pytest.mark.parametrize("pattern", ORACLE_PATTERNS, ids=_pattern_id)
+@pytest.mark.parametrize("packed", [False, True])
+def test_pattern_ranges_match_the_oracle(pattern, packed):
+    """`pattern_ranges` / `pattern_dense_visibility` (every option, with and without
+    segment_ids, an id reused by two documents) against the per-query oracle: raw keys,
+    slots (documents back to back) and the first token of each slot."""
+    length = 29
+    seg = (np.repeat([3, 1, 3, 0], [6, 11, 2, 10]) if packed else None)
+    raw, slot, start = oracle.dense_masks(pattern, length, seg)
+    got_raw, got_slot = blocks.pattern_dense_visibility(
+        pattern, length, None if seg is None else seg[None])
+    np.testing.assert_array_equal(got_raw[0], raw)
+    m = slot.shape[1]
+    assert got_slot.shape[2] >= m
+    np.testing.assert_array_equal(got_slot[0][:, :m], slot)
+    assert not got_slot[0][:, m:].any()
+    if packed:
+        r = blocks.pattern_ranges(pattern, length, seg[None])
+        np.testing.assert_array_equal(np.asarray(r.group_start[0])[:m], start)
+    else:
+        assert pattern.max_slots(length) == m
+        assert pattern.visible_scores(length) == raw.sum() + slot.sum()
 
 
 # ---- n_core and raw_start --------------------------------------------------------------------
@@ -335,11 +398,14 @@ def test_decode_bounds_match_the_dense_cache_masks(pattern, max_len):
     for row in range(max_len):
         assert 1 <= bounds.ring_count[row] <= ring
         raw[row, entries[row, :bounds.ring_count[row]]] = True
-    np.testing.assert_array_equal(raw, blocks.cache_raw_visible(pattern, t, ring))
+    want_raw, want_slots = oracle.cache_masks(pattern, t, ring, num_slots)
+    np.testing.assert_array_equal(raw, want_raw)
+    np.testing.assert_array_equal(blocks.cache_raw_visible(pattern, t, ring), want_raw)
     # The newest visible entry holds the query's own position.
     np.testing.assert_array_equal((bounds.ring_first + bounds.ring_count - 1) % ring, t % ring)
     slots = np.arange(num_slots) < bounds.num_slots[:, None]
-    np.testing.assert_array_equal(slots, blocks.cache_slot_visible(pattern, t, num_slots))
+    np.testing.assert_array_equal(slots, want_slots)
+    np.testing.assert_array_equal(blocks.cache_slot_visible(pattern, t, num_slots), want_slots)
     traced = jax.jit(lambda t: blocks.decode_bounds(pattern, t, ring, num_slots))(
         jnp.asarray(t, jnp.int32))
     for got, want in zip(traced, bounds):
@@ -432,7 +498,7 @@ def test_visit_steps_at_paper_sizes():
 @pytest.mark.parametrize("max_len,block_r,block_c", [(23, 4, 2), (64, 16, 8), (64, 5, 3)])
 def test_decode_block_visits_hold_the_visible_entries(pattern, max_len, block_r, block_c):
     """The TPU decode kernel's walk: every visible ring entry and slot lies in a visited block,
-    the visited blocks exist, and `ring_entry_visible` is `cache_raw_visible`."""
+    the visited blocks exist, and `ring_entry_visible` is the oracle's ring mask."""
     ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
     t = np.arange(max_len)
     bounds = blocks.decode_bounds(pattern, t, ring, num_slots)
@@ -443,7 +509,8 @@ def test_decode_block_visits_hold_the_visible_entries(pattern, max_len, block_r,
     entries = np.arange(-(-ring // block_r) * block_r)
     visible = blocks.ring_entry_visible(entries[None], bounds.ring_first[:, None],
                                         bounds.ring_count[:, None], ring)
-    np.testing.assert_array_equal(visible[:, :ring], blocks.cache_raw_visible(pattern, t, ring))
+    np.testing.assert_array_equal(visible[:, :ring],
+                                  oracle.cache_masks(pattern, t, ring, num_slots)[0])
     assert not visible[:, ring:].any()
     block_first, ring_blocks, slot_blocks = table[:, 3], table[:, 4], table[:, 5]
     assert np.all(ring_blocks >= 1) and np.all(block_first + ring_blocks <= -(-ring // block_r))
