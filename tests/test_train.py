@@ -158,6 +158,93 @@ def test_bad_inputs_fail_before_compute(tmp_path, args, match, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert re.search(match, err, re.IGNORECASE), err
+    assert not (tmp_path / "o").exists()      # refused: nothing written
+
+
+def _tree(path):
+    """Every path under `path` with its file bytes (None for a directory); None if absent."""
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(path.rglob("*"))}
+
+
+def _model_dir(path, tiny_tokenizer=True):
+    """A directory with a tiny model's config.json and (optionally) a tokenizer: a checkpoint
+    as convert.hf_to_flax writes it, but for the parameters."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(_model_cfg().to_hf_dict()))
+    if tiny_tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3},
+                                         unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+            "eos_token": "</s>", "unk_token": "<unk>"}))
+    return path
+
+
+def _hf_dir(tmp_path):
+    from safetensors.numpy import save_file
+    path = _model_dir(tmp_path / "hf")
+    save_file({"model.embed_tokens.weight": np.zeros((101, 64), np.float32)},
+              str(path / "model.safetensors"))
+    return ["--checkpoint", str(path)], "looks like a Hugging Face checkpoint.*hf_to_flax"
+
+
+def _config_only(tmp_path):
+    return ["--checkpoint", str(_model_dir(tmp_path / "ckpt"))], "no orbax checkpoint"
+
+
+def _params_without_model(tmp_path):
+    from cca_jax.checkpoint import save_tree
+    path = _model_dir(tmp_path / "ckpt")
+    save_tree(path / "params", {"opt_state": {"mu": np.zeros(3, np.float32)}})
+    return ["--checkpoint", str(path)], "no parameter tree"
+
+
+def _bad_record(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two"}\nnot json\n')
+    return ["--preset", "tiny", "--data", str(data)], "d.jsonl:3 is not a JSON object"
+
+
+def _bad_mesh(tmp_path):
+    return ["--preset", "tiny", "--mesh", "fsdp=3"], "needs 3 devices"
+
+
+def _other_run(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    other = TrainConfig(out=str(out), preset="tiny", lr=0.5)
+    (out / finetune.RUN_CONFIG).write_text(json.dumps(other.to_dict()))
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    return ["--preset", "tiny"], "different run.*lr"
+
+
+def _user_files(tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("keep me")
+    return ["--preset", "tiny"], "not a cca-jax run directory"
+
+
+@pytest.mark.parametrize("case", [_hf_dir, _config_only, _params_without_model, _bad_record,
+                                  _bad_mesh, _other_run, _user_files],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_refused_run_leaves_out_as_it_was(tmp_path, case, capsys):
+    """Every check comes before the first write: a refused command leaves --out absent or
+    byte for byte as it was, so the corrected command can use the same --out."""
+    args, match = case(tmp_path)
+    out = tmp_path / "o"
+    before = _tree(out)
+    assert finetune.main(args + ["--steps", "1", "--seq-len", "64", "--batch-size", "8",
+                                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert _tree(out) == before
+    assert re.search(match, err, re.IGNORECASE), err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_out_dir_of_another_run_or_with_user_files_is_refused(tmp_path, capsys):
