@@ -2,14 +2,16 @@
 
 On CPU the kernels run in interpret mode: tiny shapes and 16-wide blocks, so that walks have
 several blocks, ragged last blocks, ring segments that wrap and splits that are empty. The
-masks of the reference and the kernel's bounds both come from `cca_jax.blocks`. Ring entries
-and slots a row must not see are NaN in the kernel's inputs (the reference gets the clean
-arrays): a kernel that read them unmasked would fail. Each test case compiles once; its
-batches of positions reuse the compilation. `slow`: more variants; `gpu`: compiled on a GPU.
+kernel's bounds come from `cca_jax.blocks.decode_bounds` (under test); the reference's masks
+from the SPEC oracle `tests/visibility_oracle.py`, and the reference runs in float32 (from
+the same, exactly representable, values) at full matmul precision. Ring entries and slots a
+row must not see are NaN in the kernel's inputs: a kernel that read them unmasked would fail.
+Errors are judged per output row (one row and query head): its largest absolute error
+relative to the row's norm, so that one wrong row (a window off by one, a dropped core slot)
+cannot hide among many right ones. Each test case compiles once; its batches of positions
+reuse the compilation. `slow`: more variants; `gpu`: compiled on a GPU. (Timing against XLA
+is a measurement, not a test: benchmarks/decode_kernel.py.)
 """
-
-import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ import pytest
 from cca_jax import blocks
 from cca_jax.decode import cached_attention
 from pallas_kernels.gpu import DecodeConfig, decode_attention_pallas_gpu
+from tests import visibility_oracle as oracle
 
 D = 16
 SMALL = dict(block=16)
@@ -38,11 +41,47 @@ POSITIONS = {
 }
 
 
-_reference = jax.jit(cached_attention)
+@jax.jit
+def _reference(*args):
+    """`cached_attention` at full float32 precision (no TF32 or bf16 passes on a GPU)."""
+    with jax.default_matmul_precision("highest"):
+        return cached_attention(*args)
+
+
+def row_errors(out, ref):
+    """`[..., D]` outputs: per row, the largest absolute error over its D values relative
+    to the reference row's L2 norm (shape `[...]`)."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.abs(out - ref).max(-1) / np.linalg.norm(ref, axis=-1)
+
+
+def assert_rows_match(out, ref, tol, positions=None):
+    err = row_errors(out, ref)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    where = f"row {worst}" + ("" if positions is None else f" (t = {positions[worst[0]]})")
+    assert err.max() <= tol, (f"largest per-row error {err.max():.2e} > {tol:.1e} at {where}; "
+                              f"rows over: {int((err > tol).sum())} of {err.size}")
+
+
+# Largest per-row error (max |error| / row norm) of the kernel against the float32 reference.
+# float32 in the CPU interpreter: measured <= 2.8e-7 -> 2e-6. bf16 inputs (or float32 dots
+# run as TF32 on the GPU): the probabilities are rounded to bf16 for the value product; at
+# D = 128 a CPU simulation of that rounding at the 7B shape measured 6.5e-4, while the bugs
+# this guards against (one ring entry too many or too few, the newest core slot dropped)
+# measured 9e-3 to 7e-2 there: 2e-3. A row's norm grows as sqrt(D) and its largest error
+# does not, so the bf16 tolerance scales with sqrt(128 / D) (D = 16 here: measured 1.5e-3,
+# tolerance 5.7e-3).
+ROW_TOL = {"interpret": 2e-6, "bf16": 2e-3}
+
+
+def _tol(dtype, d=D):
+    if dtype == jnp.float32 and jax.default_backend() != "gpu":
+        return ROW_TOL["interpret"]
+    return ROW_TOL["bf16"] * (128 / d) ** 0.5
 
 
 def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0):
-    """(kernel args with invisible entries NaN, bounds, reference output) for positions."""
+    """(kernel args with invisible entries NaN, bounds, float32 reference output)."""
     ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
     t = np.asarray(positions)
     b = len(t)
@@ -52,26 +91,21 @@ def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0):
         return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float32)
     q, k, v = normal(b, hq, D), normal(b, ring, hkv, D), normal(b, ring, hkv, D)
     ck, cv = normal(b, num_slots, hq, D), normal(b, num_slots, hq, D)
-    raw_vis = blocks.cache_raw_visible(pattern, t, ring)
-    slot_vis = blocks.cache_slot_visible(pattern, t, num_slots)
+    raw_vis, slot_vis = oracle.cache_masks(pattern, t, ring, num_slots)
+    ref = _reference(q, k, v, ck, cv, raw_vis, slot_vis)
     cast = lambda *xs: [jnp.asarray(x, dtype) for x in xs]  # noqa: E731
-    ref = _reference(*cast(q, k, v, ck, cv), raw_vis, slot_vis)
     poison = lambda x, vis: np.where(vis[:, :, None, None], x, np.nan)  # noqa: E731
     args = cast(q, poison(k, raw_vis), poison(v, raw_vis), poison(ck, slot_vis),
                 poison(cv, slot_vis))
     return args, blocks.decode_bounds(pattern, t, ring, num_slots), ref
 
 
-def _check(pattern, max_len, hq, hkv, tiling, positions, dtype=jnp.float32, tol=2e-5,
-           seed=0):
-    if jax.default_backend() == "gpu" and dtype == jnp.float32:
-        tol = max(tol, 5e-3)   # float32 dots run as TF32 on the GPU (kernel and reference)
+def _check(pattern, max_len, hq, hkv, tiling, positions, dtype=jnp.float32, seed=0):
     for i, batch in enumerate(positions):
         args, bounds, ref = _inputs(pattern, max_len, batch, hq, hkv, dtype, seed + i)
         out = decode_attention_pallas_gpu(*args, bounds, **tiling)
         assert out.shape == ref.shape and out.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol, rtol=tol,
-                                   err_msg=f"positions {batch}")
+        assert_rows_match(out, ref, _tol(dtype), batch)
 
 
 def _random_positions(max_len, rows=6, batches=2, seed=0):
@@ -106,7 +140,7 @@ def test_stacked_bf16_cache_with_head_major_slots_and_default_tiling():
     """The cache stacked over layers, read at a traced layer index inside a `lax.scan`, with
     slots in the [L, B, Hq, C, D] layout, bf16, default blocks (64: larger than the ring and
     the slots) and automatic split counts: equal to `cached_attention` of each layer alone
-    (computed in float32 from the same bf16 values)."""
+    (computed in float32 from the same bf16 values), row by row."""
     layers, hq, hkv = 3, 4, 2
     per_layer = [_inputs(CCA, 120, POSITIONS["cca"][i % 2], hq, hkv, jnp.bfloat16, 10 + i)
                  for i in range(layers)]
@@ -121,7 +155,7 @@ def test_stacked_bf16_cache_with_head_major_slots_and_default_tiling():
                                                  slot_layout="bhcd")
     _, out = jax.lax.scan(body, None, (jnp.arange(layers), q, bounds))
     for i, (_, _, ref) in enumerate(per_layer):
-        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(ref), atol=2e-2, rtol=2e-2)
+        assert_rows_match(out[i], ref, _tol(jnp.bfloat16), POSITIONS["cca"][i % 2])
 
 
 # ---- argument checks ----------------------------------------------------------------------
@@ -161,7 +195,7 @@ def test_rejects_unsupported_shapes_and_settings():
 @pytest.mark.slow
 def test_bfloat16_with_default_tiling_matches_cached_attention():
     """bf16 cache and query, default tiling, one layer in the KVCache layout."""
-    _check(CCA, 120, 4, 2, {}, POSITIONS["cca"], dtype=jnp.bfloat16, tol=2e-2)
+    _check(CCA, 120, 4, 2, {}, POSITIONS["cca"], dtype=jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -181,9 +215,20 @@ def test_paper_group_sizes_match_cached_attention():
 
 # ---- compiled on a GPU ------------------------------------------------------------------------
 
-def _gpu_case(batch, hq, hkv, max_len, context, seed=0):
-    pattern = blocks.cca_pattern(16, 1024)
+GPU_PATTERN = blocks.cca_pattern(16, 1024)                   # R = 1040
+GPU_RING = 1040
+# s + g - 2 (the widest window, no core token), s + g - 1 (the first core token), s + g,
+# the ring's write index wrapping (2R - 1, 2R, 3R - 1, 3R), and the last position.
+GPU_POSITIONS = [1038, 1039, 1040, 2 * GPU_RING - 1, 2 * GPU_RING, 3 * GPU_RING - 1,
+                 3 * GPU_RING, 4999]
+
+
+def _gpu_case(hq, hkv, max_len, positions, seed=0):
+    """bf16 cache and queries at 7B head shapes; (kernel args, float32 reference, bounds)."""
+    pattern = GPU_PATTERN
     ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
+    assert ring == GPU_RING
+    batch = len(positions)
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
     d = 128
     bf = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(  # noqa: E731
@@ -191,38 +236,21 @@ def _gpu_case(batch, hq, hkv, max_len, context, seed=0):
     args = (bf(ks[0], (batch, hq, d)), bf(ks[1], (batch, ring, hkv, d)),
             bf(ks[2], (batch, ring, hkv, d)), bf(ks[3], (batch, num_slots, hq, d)),
             bf(ks[4], (batch, num_slots, hq, d)))
-    t = jnp.asarray(context - 1 - 37 * np.arange(batch), jnp.int32)
-    masks = (blocks.cache_raw_visible(pattern, t, ring),
-             blocks.cache_slot_visible(pattern, t, num_slots))
-    return args, masks, blocks.decode_bounds(pattern, t, ring, num_slots)
-
-
-def _median_ms(fn, *args, iters=30):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    t = np.asarray(positions)
+    masks = oracle.cache_masks(pattern, t, ring, num_slots)
+    ref = _reference(*(x.astype(jnp.float32) for x in args), *masks)
+    return args, ref, blocks.decode_bounds(pattern, jnp.asarray(t, jnp.int32), ring, num_slots)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("batch,hkv", [(2, 8), (3, 32)])
-def test_gpu_compiled_matches_cached_attention(batch, hkv):
-    args, masks, bounds = _gpu_case(batch, 32, hkv, max_len=8192, context=5000)
-    ref = jax.jit(cached_attention)(*args, *masks)
+@pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
+def test_gpu_compiled_matches_cached_attention(hkv):
+    """Hq = 32, D = 128, bf16, g = 16, s = 1024 in an 8192-sized cache: rows at the window's
+    edge, the first core token, ring wraps and the last position, each row (and query head)
+    within 2e-3 of float32 `cached_attention` relative to its norm. (The former atol = rtol
+    = 2e-2 on outputs of mean magnitude 0.04 let a dropped newest core slot pass.)"""
+    args, ref, bounds = _gpu_case(32, hkv, max_len=8192, positions=GPU_POSITIONS)
     out = jax.jit(decode_attention_pallas_gpu)(*args, bounds)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-def test_gpu_faster_than_xla_when_the_cache_is_mostly_empty():
-    """32K of context in a 128K-sized cache: the kernel reads a quarter of the slots."""
-    args, masks, bounds = _gpu_case(1, 32, 32, max_len=131072, context=32768)
-    xla_ms = _median_ms(jax.jit(cached_attention), *args, *masks)
-    pallas_ms = _median_ms(jax.jit(decode_attention_pallas_gpu), *args, bounds)
-    print(f"xla {xla_ms:.3f} ms, pallas {pallas_ms:.3f} ms")
-    assert pallas_ms < xla_ms and math.isfinite(pallas_ms)
+    assert out.dtype == jnp.float32
+    assert_rows_match(out, ref, ROW_TOL["bf16"], GPU_POSITIONS)

@@ -25,6 +25,8 @@ a document's slots are those some query of that document sees.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -34,7 +36,8 @@ def _fields(pattern):
             int(pattern.sink_tokens))
 
 
-def core_groups(g: int, s: int, p: int, sinks: int = 0) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def core_groups(g: int, s: int, p: int, sinks: int = 0) -> tuple[int, ...]:
     """CCA: the groups whose core token the query at in-document position p sees."""
     groups = []
     j = 0
@@ -42,7 +45,14 @@ def core_groups(g: int, s: int, p: int, sinks: int = 0) -> list[int]:
         if p >= sinks + (j + 1) * g + s - 1:      # ... and whose last token is s back
             groups.append(j)
         j += 1
-    return groups
+    return tuple(groups)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_core_groups(g: int, s: int, p: int, sinks: int) -> frozenset[int]:
+    """Positions the query at p sees through core tokens."""
+    return frozenset(u for j in core_groups(g, s, p, sinks)
+                     for u in range(sinks + j * g, sinks + (j + 1) * g))
 
 
 def sees_raw(pattern, p: int, u: int) -> bool:
@@ -55,9 +65,7 @@ def sees_raw(pattern, p: int, u: int) -> bool:
     if kind in ("sliding", "streaming"):
         return p - w < u
     if kind == "cca":
-        if u < n:
-            return True
-        return not any(n + j * g <= u < n + (j + 1) * g for j in core_groups(g, w, p, n))
+        return u not in _in_core_groups(g, w, p, n)   # sinks (u < N) are in no group
     raise ValueError(f"unknown attention kind {kind!r}")
 
 
@@ -65,7 +73,7 @@ def slots_seen(pattern, p: int) -> list[int]:
     """In-document slot indices the query at in-document position p sees."""
     kind, g, w, n = _fields(pattern)
     if kind == "cca":
-        return core_groups(g, w, p, n)
+        return list(core_groups(g, w, p, n))
     if kind == "streaming":
         return [u for u in range(min(n, p + 1)) if not p - w < u]
     return []
@@ -127,7 +135,7 @@ def ring_holds(t: int, ring: int) -> list[int]:
     """Once positions 0..t are written to a ring of R entries (position u into entry u % R,
     overwriting), the position each entry holds (-1: never written), by brute force."""
     held = [-1] * ring
-    for u in range(t + 1):
+    for u in range(max(0, t + 1 - 2 * ring), t + 1):   # earlier writes are overwritten
         held[u % ring] = u
     return held
 
