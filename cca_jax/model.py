@@ -174,11 +174,7 @@ def _check_ids(input_ids, segment_ids, positions, cfg: LlamaConfig) -> None:
     concrete (eager calls); inside `jit` they cannot be: an id >= vocab_size then gives NaN
     logits and a negative id wraps around, as in `jnp.take`.
     """
-    if getattr(input_ids, "ndim", None) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(
-            f"input_ids must be an integer array [batch, seq] (jnp/np array, not a "
-            f"{type(input_ids).__name__}), got shape {getattr(input_ids, 'shape', None)} "
-            f"dtype {getattr(input_ids, 'dtype', None)}.")
+    _check_ids_array(input_ids)
     for name, x in (("segment_ids", segment_ids), ("positions", positions)):
         if x is not None and getattr(x, "shape", None) != input_ids.shape:
             raise ValueError(f"{name} must have the shape of input_ids {input_ids.shape}, "
@@ -197,6 +193,21 @@ def _check_ids(input_ids, segment_ids, positions, cfg: LlamaConfig) -> None:
             raise ValueError(
                 f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size), got min {ids.min()} "
                 f"max {ids.max()}: is the tokenizer the checkpoint's own?")
+
+
+def _check_ids_array(input_ids) -> None:
+    """input_ids must be integer ids of shape [batch, seq]: one line naming what is wrong."""
+    want = "input_ids must be integer token ids (int32) of shape [batch, seq]"
+    if not hasattr(input_ids, "ndim") or not hasattr(input_ids, "dtype"):
+        raise ValueError(f"{want}, not a {type(input_ids).__name__}: pass "
+                         "jnp.asarray(ids, jnp.int32).")
+    got = f"got dtype {input_ids.dtype} shape {tuple(input_ids.shape)}"
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"{want}, {got}: pass the tokenizer's ids, or cast them with "
+                         ".astype(jnp.int32).")
+    if input_ids.ndim != 2:
+        fix = "add the batch axis (ids[None])" if input_ids.ndim == 1 else "reshape them"
+        raise ValueError(f"{want}, {got}: {fix}.")
 
 
 def _concrete_max(positions) -> int | None:

@@ -20,6 +20,7 @@ and written at its offset. Peak memory ~ the largest stacked parameter.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -81,12 +82,24 @@ def convert_flax_to_hf(ckpt, out_dir, *, config: str | None = None, force: bool 
     return Path(out_dir)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every flag with what it does, its default and its choices."""
     ap = cli_parser("python -m convert.flax_to_hf", __doc__,
-                    "output HF directory (must not exist)")
-    ap.add_argument("--ckpt", required=True, help="our model dir, params dir or train checkpoint")
-    ap.add_argument("--config", default=None, help="config.json (default: found near --ckpt)")
-    ap.add_argument("--max-shard-size-gb", type=float, default=5.0)
+                    "output Hugging Face directory, written whole or not at all (required; "
+                    "must not exist unless --force)")
+    ap.add_argument("--ckpt", required=True, metavar="DIR", help="our checkpoint: a model "
+                    "directory (convert.hf_to_flax output, train.finetune's OUT/final), its "
+                    "params directory, or a train checkpoint step (required)")
+    ap.add_argument("--config", default=None, metavar="FILE", help="the model's config.json "
+                    "(default: the one found in or above --ckpt)")
+    ap.add_argument("--max-shard-size-gb", type=float, default=5.0, metavar="GB",
+                    help="largest safetensors shard in GiB; bigger models are split into "
+                    "model-0000K-of-0000N.safetensors with an index (default: 5)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     return run_cli(ap, argv, lambda a: convert_flax_to_hf(
         a.ckpt, a.out, config=a.config, force=a.force,
         max_shard_bytes=int(a.max_shard_size_gb * 2**30), verbose=not a.quiet))

@@ -47,25 +47,51 @@ class ConversionError(ValueError):
 
 
 # ---- reading -------------------------------------------------------------------------------
+# The safetensors format caps its JSON header at 100 MB (the library's HeaderTooLarge).
+MAX_SAFETENSORS_HEADER = 100_000_000
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+def _not_safetensors(path: Path, why: str) -> ConversionError:
+    return ConversionError(f"{path} is not a safetensors file ({why}). Point at the "
+                           "checkpoint's own weight files, or re-download or re-export it.")
+
+
+def _read_safetensors_header(f, path: Path, size: int) -> tuple[dict, int]:
+    """(tensor entries, data start) of the safetensors file open as `f` (`size` bytes): an
+    8-byte little-endian header length, then a JSON object. A file that does not start so is
+    refused as not a safetensors file, one whose header or data run past its end as
+    truncated."""
+    raw = f.read(9)
+    if len(raw) < 9:
+        raise _not_safetensors(path, f"{size} bytes, too short for a header")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if raw[8:9] != b"{" or not 2 <= n <= MAX_SAFETENSORS_HEADER:
+        raise _not_safetensors(path, "it does not start with a safetensors header: an 8-byte "
+                                     "length, then a JSON object")
+    if 8 + n > size:
+        raise ConversionError(f"{path} is truncated: header claims {n} bytes, the file "
+                              f"has {size}. Re-download or re-export it.")
+    try:
+        header = json.loads(raw[8:] + f.read(n - 1))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _not_safetensors(path, f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _not_safetensors(path, "its header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, e in header.items():
+        if not isinstance(e, dict) or not _ENTRY_KEYS <= e.keys():
+            raise _not_safetensors(path, f"header entry {name!r} lacks "
+                                         f"{sorted(_ENTRY_KEYS)}")
+    return header, 8 + n
+
+
 class _SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         size = path.stat().st_size
         with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ConversionError(f"{path} is truncated or not a safetensors file "
-                                      f"({size} bytes).")
-            (n,) = struct.unpack("<Q", raw)
-            if 8 + n > size:
-                raise ConversionError(f"{path} is truncated: header claims {n} bytes, the file "
-                                      f"has {size}. Re-download or re-export it.")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConversionError(f"{path}: unreadable safetensors header ({e}).") from None
-        header.pop("__metadata__", None)
-        self.data_start = 8 + n
+            header, self.data_start = _read_safetensors_header(f, path, size)
         self.entries = header
         self.shapes = {k: tuple(e["shape"]) for k, e in header.items()}
         self.dtypes = {k: ST_DTYPES.get(e["dtype"]) for k, e in header.items()}
@@ -325,16 +351,18 @@ def cli_parser(prog: str, doc: str, out_help: str) -> argparse.ArgumentParser:
     """The converters' shared command line: --out, --force, --quiet (inputs added by each)."""
     ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help=out_help)
+    ap.add_argument("--out", required=True, metavar="DIR", help=out_help)
+    ap.add_argument("--force", action="store_true", help="replace an existing --out, "
+                    "never one that overlaps the input (default: off, an existing --out is "
+                    "refused)")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar or summary (default: off)")
     return ap
 
 
 def run_cli(ap, argv, convert: Callable[[Any], Any]) -> int:
-    """Parse `argv` with `ap` (plus --force / --quiet), run `convert(args)`; a clear one-line
-    error and exit status 1 for what the user can fix."""
-    ap.add_argument("--force", action="store_true",
-                    help="replace an existing --out (never one that overlaps the input)")
-    ap.add_argument("--quiet", action="store_true", help="no progress output")
+    """Parse `argv` with `ap`, run `convert(args)`; a clear one-line error and exit status 1
+    for what the user can fix."""
     args = ap.parse_args(argv)
     try:
         convert(args)

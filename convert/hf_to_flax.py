@@ -34,6 +34,7 @@ end.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ import numpy as np
 
 from cca_jax.checkpoint import LazyArray, save_pretrained
 from cca_jax.blocks import ATTENTION_KINDS
-from cca_jax.config import LlamaConfig, hf_weights_dtype, read_hf_config
+from cca_jax.config import AttentionConfig, LlamaConfig, hf_weights_dtype, read_hf_config
 from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check_output_dir,
                            copy_tokenizer_files, open_hf_weights, progress_bar, run_cli,
                            cli_parser)
@@ -178,18 +179,35 @@ def convert_hf_to_flax(hf_dir, out_dir, *, dtype: str | None = None,
     return Path(out_dir)
 
 
-def main(argv=None) -> int:
-    ap = cli_parser("python -m convert.hf_to_flax", __doc__, "output directory (must not exist)")
-    ap.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every flag with what it does, its default and its choices."""
+    ap = cli_parser("python -m convert.hf_to_flax", __doc__,
+                    "output directory, written whole or not at all (required; must not exist "
+                    "unless --force)")
+    ap.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face checkpoint "
+                    "directory: config.json, safetensors or pytorch_model*.bin weights, "
+                    "tokenizer files (required)")
     ap.add_argument("--dtype", default=None, choices=sorted(OUT_DTYPES),
-                    help="parameter dtype (default: the checkpoint's own)")
+                    help="parameter dtype of the output (default: the checkpoint's own)")
     ap.add_argument("--attention", default=None, choices=sorted(ATTENTION_KINDS),
-                    help="attention option recorded in config.json (default: the checkpoint's,"
-                         " else cca; a sliding-window checkpoint: sliding)")
-    ap.add_argument("--group-size", type=int, default=None, help="CCA group size g")
-    ap.add_argument("--window-size", type=int, default=None,
-                    help="CCA local window s, or the sliding / streaming window W")
-    ap.add_argument("--sink-tokens", type=int, default=None, help="streaming's sinks N")
+                    help="attention option recorded in config.json; from_pretrained and the "
+                    "CLIs can still override it (default: the checkpoint's, else cca; a "
+                    "sliding-window checkpoint: sliding)")
+    defaults = AttentionConfig()
+    ap.add_argument("--group-size", type=int, default=None, metavar="G",
+                    help="CCA group size g (default: the checkpoint's, else "
+                    f"{defaults.group_size})")
+    ap.add_argument("--window-size", type=int, default=None, metavar="W",
+                    help="CCA local window s, or the sliding / streaming window W (default: "
+                    f"the checkpoint's, else {defaults.window_size})")
+    ap.add_argument("--sink-tokens", type=int, default=None, metavar="N",
+                    help="streaming's attention sinks N (default: the checkpoint's, else "
+                    f"{defaults.sink_tokens})")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     return run_cli(ap, argv, lambda a: convert_hf_to_flax(
         a.hf, a.out, dtype=a.dtype, attention=a.attention, group_size=a.group_size,
         window_size=a.window_size, sink_tokens=a.sink_tokens, force=a.force,

@@ -21,16 +21,21 @@ from cca_jax.generate import UsageError, add_attention_args
 
 
 def _shared(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--ckpt", required=True, help="converted checkpoint directory "
-                    "(convert.hf_to_flax output or a train/ export), with its tokenizer")
+    ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
+                    "directory (convert.hf_to_flax output or a train.finetune export), with "
+                    "its tokenizer (required)")
     add_attention_args(ap)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="parameter/activation dtype (default: the checkpoint's)")
-    ap.add_argument("--max-position-embeddings", type=int, default=None,
-                    help="override the checkpoint's context limit (default: its own)")
-    ap.add_argument("--json", default=None, help="write the results to this JSON file")
-    ap.add_argument("--plot", default=None, help="draw the results into this PNG file")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+                    help="parameter and activation dtype (default: the checkpoint's)")
+    ap.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
+                    help="the model's context limit, raised to evaluate longer prompts "
+                    "(default: the checkpoint's)")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="also write the results to this JSON file (default: none)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw the results into this PNG file (default: none)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide the progress bars (default: shown)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -52,43 +57,64 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="task", required=True)
 
-    p = sub.add_parser("ppl", help="long-document perplexity (cca_jax/eval/ppl.py)")
+    p = sub.add_parser("ppl", help="long-document perplexity (cca_jax/eval/ppl.py)",
+                       description="Long-document perplexity: the tokens cut into windows "
+                       "of --seq-len, each scored on its own.")
     _shared(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text-file", help="UTF-8 text, tokenized as-is (no special tokens)")
-    src.add_argument("--token-file", help="token ids instead of text: .npy, or .json (a list "
-                     "of ids, or of lists of ids, concatenated)")
-    p.add_argument("--seq-len", type=int, required=True, help="window length N in tokens")
-    p.add_argument("--stride", type=int, default=None, help="strided variant: windows "
-                   "every S tokens, each scoring its last S tokens")
-    p.add_argument("--batch-size", type=int, default=1, help="windows per forward (1)")
-    p.add_argument("--chunk", type=int, default=1024, help="positions whose logits exist at "
-                   "once; also the resolution of the perplexity-by-position curve (1024)")
+    src.add_argument("--text-file", metavar="FILE", help="UTF-8 text, tokenized as-is, no "
+                     "special tokens (required: this or --token-file)")
+    src.add_argument("--token-file", metavar="FILE", help="token ids instead of text: .npy, "
+                     "or .json (a list of ids, or of lists of ids, concatenated) (required: "
+                     "this or --text-file)")
+    p.add_argument("--seq-len", type=int, required=True, metavar="N",
+                   help="window length in tokens (required)")
+    p.add_argument("--stride", type=int, default=None, metavar="S", help="windows start "
+                   "every S tokens and each scores its last S, so every scored token has at "
+                   "least N - S tokens of context (default: N, windows side by side)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="windows per forward pass (default: 1)")
+    p.add_argument("--chunk", type=int, default=1024, metavar="C", help="positions whose "
+                   "logits exist at once; also the bucket of the perplexity-by-position "
+                   "curve (default: 1024)")
 
-    p = sub.add_parser("passkey", help="passkey / needle retrieval (cca_jax/eval/passkey.py)")
+    p = sub.add_parser("passkey", help="passkey / needle retrieval (cca_jax/eval/passkey.py)",
+                       description="Passkey / needle retrieval: a key hidden at each depth of "
+                       "filler text, answered greedily, scored by exact match.")
     _shared(p)
-    p.add_argument("--lengths", type=_int_list, required=True,
-                   help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--lengths", type=_int_list, required=True, metavar="L1,L2",
+                   help="prompt lengths in tokens, comma-separated (required)")
     p.add_argument("--depths", type=_float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                   help="needle depths in [0, 1], comma-separated (0,0.25,0.5,0.75,1)")
-    p.add_argument("--samples", type=int, default=5, help="samples per (length, depth) (5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks (0)")
+                   metavar="D1,D2", help="needle depths in [0, 1] (0 = the start of the "
+                   "filler), comma-separated (default: 0,0.25,0.5,0.75,1)")
+    p.add_argument("--samples", type=int, default=5, metavar="K",
+                   help="prompts per (length, depth) (default: 5)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the generated prompts (default: 0)")
     p.add_argument("--task", choices=("passkey", "niah"), default="passkey",
-                   help="passkey (a 5-digit key in filler) or niah (RULER-style: a 7-digit "
-                   "magic number for a key word)")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts generated together (1)")
-    p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (2048)")
+                   help="passkey: a 5-digit key in filler; niah: RULER's 7-digit magic number "
+                   "for a key word (default: passkey)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="prompts generated together (default: 1)")
+    p.add_argument("--chunk-size", type=int, default=2048, metavar="N",
+                   help="prefill chunk in tokens (default: 2048)")
 
     p = sub.add_parser("mdqa", help="multi-document QA, Lost in the Middle format "
-                       "(cca_jax/eval/mdqa.py)")
+                       "(cca_jax/eval/mdqa.py)",
+                       description="Multi-document QA (Lost in the Middle): accuracy by "
+                       "position of the gold document.")
     _shared(p)
-    p.add_argument("--data", required=True, help="a .jsonl or .jsonl.gz file (QA records "
-                   "with question/answers/ctxs, or key-value retrieval records)")
-    p.add_argument("--limit", type=int, default=None, help="the first N records only")
-    p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="tokens generated per answer (32)")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts generated together (1)")
-    p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (2048)")
+    p.add_argument("--data", required=True, metavar="FILE", help="a .jsonl or .jsonl.gz file: "
+                   "QA records with question/answers/ctxs, or key-value retrieval records "
+                   "(required)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="the first N records only (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="tokens generated per answer (default: 32)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="prompts generated together (default: 1)")
+    p.add_argument("--chunk-size", type=int, default=2048, metavar="N",
+                   help="prefill chunk in tokens (default: 2048)")
     return ap
 
 

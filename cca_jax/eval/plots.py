@@ -1,8 +1,9 @@
 """PNG plots of evaluation results (matplotlib, no display needed).
 
-- `plot_record(record, path)`: the picture of one CLI result: perplexity by position (ppl),
+- `plot_record(record, path)`: the picture of one CLI result: perplexity by position (ppl,
+  on a log axis with plain-number ticks; positions no window scores are shaded and named),
   accuracy by length and depth as a heat map (passkey), accuracy by gold-document position
-  (mdqa, when the data has more than one).
+  as bars with their values (mdqa, one bar per position, one position included).
 - `plot_stories(result, path)`: Experiment 1 (benchmarks/stories_experiment.py).
 """
 
@@ -37,18 +38,64 @@ def _label(rec: dict[str, Any]) -> str:
     return str(kind)
 
 
-def _position_curve(ax, rec: dict[str, Any], **style) -> None:
-    pts = [((b["lo"] + b["hi"]) / 2, b["ppl"]) for b in rec["by_position"] if b["ppl"]]
+def _position_curve(ax, rec: dict[str, Any], first: int = 0, **style) -> None:
+    """Each bucket's perplexity at the middle of its scored positions (those >= `first`)."""
+    pts = [((max(b["lo"], first) + b["hi"]) / 2, b["ppl"]) for b in rec["by_position"]
+           if b["ppl"]]
     ax.plot([p for p, _ in pts], [v for _, v in pts], marker=".", **style)
+
+
+def readable_log_y(ax, values) -> None:
+    """A log y axis whose ticks are plain numbers (`517`, `520`; `10`, `20`, `50`, `100`),
+    not `5.2 x 10^2`: 1-2-5 steps over a decade or more, else evenly spaced round numbers."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullLocator
+
+    lo, hi = min(values), max(values)
+    ax.set_yscale("log")
+    if hi >= 4 * lo:
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    else:
+        pad = (hi - lo) * 0.05 or abs(hi) * 0.01
+        ticks = [t for t in MaxNLocator(nbins=5).tick_values(lo - pad, hi + pad)
+                 if lo - pad <= t <= hi + pad and t > 0]
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.yaxis.set_major_locator(FixedLocator(ticks or [lo]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+
+
+def _unscored_front(record: dict[str, Any]) -> tuple[int, int] | None:
+    """Window positions `[lo, hi)` that no window scores, when the first bucket has some:
+    those before `seq_len - stride` with a stride, else the empty buckets in front."""
+    buckets = record["by_position"]
+    lo = buckets[0]["lo"]
+    if record.get("stride"):
+        hi = record["seq_len"] - record["stride"]
+    else:
+        empty = 0
+        while empty < len(buckets) - 1 and not buckets[empty]["tokens"]:
+            empty += 1
+        hi = buckets[empty]["lo"]
+    return (lo, hi) if hi > lo else None
 
 
 def plot_ppl(record: dict[str, Any], path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    _position_curve(ax, record, label=_label(record))
-    ax.set(xlabel="position in window (tokens)", ylabel="perplexity", yscale="log",
+    unscored = _unscored_front(record)
+    _position_curve(ax, record, first=unscored[1] if unscored else 0, label=_label(record))
+    readable_log_y(ax, [b["ppl"] for b in record["by_position"] if b["ppl"]])
+    ax.set(xlabel="position in window (tokens)", ylabel="perplexity (log scale)",
            title=f"perplexity by position (ppl {record['ppl']:.3g} over "
                  f"{record['windows']} windows)")
+    if unscored:
+        lo, hi = unscored
+        why = (f": each window scores its last {record['stride']}" if record.get("stride")
+               else "")
+        ax.axvspan(lo, hi, color="0.9", zorder=0)
+        ax.text(0.01, 0.03, f"positions {lo}-{hi - 1} not scored{why}",
+                transform=ax.transAxes, fontsize=8, color="0.3")
+        ax.set_xlim(left=lo)
     ax.legend()
     _save(fig, path)
 
@@ -74,12 +121,24 @@ def plot_passkey(record: dict[str, Any], path) -> None:
 
 
 def plot_mdqa(record: dict[str, Any], path) -> None:
+    """One bar per gold-document position, its accuracy and example count written on it (a
+    bar of accuracy 0 still shows its label); integer positions on the x axis."""
     plt = _pyplot()
-    rows = record.get("by_gold_position") or []
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([r["gold_position"] for r in rows], [r["accuracy"] for r in rows], marker="o")
-    ax.set(xlabel="position of the gold document", ylabel="accuracy", ylim=(0, 1),
-           title=f"{record['format']}: {_label(record)} (n={record['examples']})")
+    rows = [r for r in record.get("by_gold_position") or [] if r["gold_position"] is not None]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.5 * len(rows)), 3.4))
+    x = [r["gold_position"] for r in rows]
+    acc = [r["accuracy"] for r in rows]
+    ax.bar(x, acc, width=0.6, color="C0", edgecolor="C0")
+    for xi, a, r in zip(x, acc, rows):
+        ax.text(xi, a + 0.02, f"{a:.2f}\nn={r['examples']}", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(x, [str(p) for p in x])
+    if x:
+        ax.set_xlim(min(x) - 0.7, max(x) + 0.7)
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    ax.set(xlabel="position of the gold document (0-based)", ylabel="accuracy", ylim=(0, 1.3),
+           title=f"{record['format']}: {_label(record)}\nn={record['examples']}, "
+                 f"accuracy {record['accuracy']:.2f}")
     _save(fig, path)
 
 
