@@ -19,6 +19,7 @@ from cca_jax.attention import cca_attention, cca_attention_naive, resolve_implem
 from pallas_kernels.gpu import (LOOP_STYLES, KernelConfig, blocked_attention_pallas_gpu,
                                 cca_attention_pallas_gpu, kernel_config)
 from tests.reference import cca_reference
+from tests.row_errors import row_max_error
 
 SMALL = dict(block_q=32, block_k=16, dq_block_q=16, dq_block_k=32, dkv_block_k=16,
              dkv_block_q=32, dc_block_k=32, dc_block_q=16)
@@ -387,15 +388,65 @@ def test_large_batches_run_in_chunks(monkeypatch):
         cca_attention_pallas_gpu(q, k, v, interpret=True, **kw)
 
 
-def test_kernel_config_defaults():
-    bf16 = kernel_config(jnp.bfloat16)
-    f32 = kernel_config(jnp.float32)
-    assert bf16 == KernelConfig()
-    assert (bf16.block_q, bf16.block_k, bf16.num_warps) == (128, 128, 8)
-    assert f32.block_q * f32.block_k < bf16.block_q * bf16.block_k
-    assert kernel_config(jnp.float32, block_q=128).block_q == 128
+def _lowered_kernels(dtype, length=512, **tiling):
+    """name -> (grid, first operand's block shape, (num_warps, num_stages)) of every Pallas
+    kernel that fwd+bwd of `cca_attention_pallas_gpu` lowers for the GPU (traced, not run)."""
+    q = jax.ShapeDtypeStruct((1, length, 4, 128), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, length, 2, 128), jnp.dtype(dtype))
+
+    def loss(q, k, v):
+        return jnp.sum(cca_attention_pallas_gpu(q, k, v, group_size=16, window_size=128,
+                                                interpret=False, **tiling).astype(jnp.float32))
+
+    found = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                gm, cp = eqn.params["grid_mapping"], eqn.params["compiler_params"]
+                block = tuple(getattr(b, "block_size", None)
+                              for b in gm.block_mappings[0].block_shape)
+                found[eqn.params["name"]] = (tuple(gm.grid), block,
+                                             (cp.num_warps, cp.num_stages))
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (list, tuple)) else [param]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kernel_config_reaches_the_kernels(dtype):
+    """The tiling `kernel_config` gives a dtype is what the four kernels are lowered with
+    (float32 gets smaller tiles: the bf16 ones exceed sm_90's shared memory with 4-byte
+    inputs): each kernel's grid over its row or key blocks, its query block and its Triton
+    warps and stages; and an override reaches its kernel."""
+    cfg = kernel_config(jnp.dtype(dtype))
+    if dtype == "bfloat16":
+        assert cfg == KernelConfig() and kernel_config(block_q=None) == KernelConfig()
+    else:
+        assert cfg.block_q * cfg.block_k < KernelConfig().block_q * KernelConfig().block_k
+    length = 512
+    kernels = _lowered_kernels(dtype, length)
+    assert set(kernels) == {"cca_fwd", "cca_bwd_dq", "cca_bwd_dkv", "cca_bwd_dcore"}
+    want = {"cca_fwd": (cfg.block_q, cfg.num_warps, cfg.num_stages),
+            "cca_bwd_dq": (cfg.dq_block_q, cfg.dq_num_warps, cfg.dq_num_stages),
+            "cca_bwd_dkv": (cfg.dkv_block_k, cfg.dkv_num_warps, cfg.dkv_num_stages),
+            "cca_bwd_dcore": (None, cfg.dc_num_warps, cfg.dc_num_stages)}
+    for name, (rows, warps, stages) in want.items():
+        grid, block, triton = kernels[name]
+        assert triton == (warps, stages), (name, triton)
+        if rows is not None:
+            assert grid[0] == length // rows, (name, grid, rows)
+    assert kernels["cca_fwd"][1][1] == cfg.block_q
+    assert kernels["cca_bwd_dq"][1][1] == cfg.dq_block_q
+    other = _lowered_kernels(dtype, length, block_q=32, dq_num_warps=2)
+    assert other["cca_fwd"][1][1] == 32 and other["cca_fwd"][0][0] == length // 32
+    assert other["cca_bwd_dq"][2][0] == 2
     assert kernel_config(forward_loop_style="split").forward_loop_style == "split"
-    assert kernel_config(block_q=None) == KernelConfig()      # None: keep the default
 
 
 @pytest.mark.slow
@@ -447,8 +498,8 @@ def test_whole_model_grad_matches_naive():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype,packed", [("bfloat16", False), ("float32", True)])
 def test_gpu_matches_float64_reference(dtype, packed):
-    """Compiled kernels (default tiling for the dtype) against float64: outputs against
-    tests/reference.py, gradients against naive under x64."""
+    """Compiled kernels (default tiling for the dtype) against float64, row by row: outputs
+    against tests/reference.py, gradients against naive under x64."""
     b, length, hq, hkv, d, g, s = 1, 2048, 4, 2, 128, 16, 256
     ks = jax.random.split(jax.random.PRNGKey(5), 4)
     q = jax.random.normal(ks[0], (b, length, hq, d), jnp.float32).astype(dtype)
@@ -463,22 +514,19 @@ def test_gpu_matches_float64_reference(dtype, packed):
     naive = _loss_and_grads(lambda q, k, v, seg: cca_attention_naive(
         q, k, v, segment_ids=seg, **kw))
     _, ref_grads = _naive64(lambda q, k, v, ct: naive(q, k, v, ct, seg), q, k, v, ct)
-    tol = GPU_REL_TOL[dtype]
-    assert _rel_l2(out, ref) < tol["out"], _rel_l2(out, ref)
+    tol = GPU_ROW_TOL[dtype]
+    err = row_max_error(out, ref)
+    assert err < tol["out"], err
     for name, got, want in zip("qkv", grads, ref_grads):
-        assert _rel_l2(got, want) < tol["grad"], (name, _rel_l2(got, want))
+        assert row_max_error(got, want) < tol["grad"], (name, row_max_error(got, want))
 
 
-def _rel_l2(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-# Relative L2 error against float64 on the H200 (jax 0.11.2), largest over packed and not,
-# measured -> x3 margin.
-GPU_REL_TOL = {
-    # outputs 2.1e-3, gradients 3.5e-3
-    "bfloat16": dict(out=6.3e-3, grad=1.05e-2),
-    # outputs 3.7e-4, gradients 5.1e-4 (the float32 dots run as TF32 on the GPU)
-    "float32": dict(out=1.1e-3, grad=1.6e-3),
+# Largest per-row error against float64 (`tests/row_errors.py`). On the H200 (jax 0.11.2) the
+# relative L2 errors were those of the blocked XLA implementation at this shape (bf16: outputs
+# 2.1e-3, gradients 3.5e-3; float32 as TF32: 3.7e-4, 5.1e-4), so the per-row tolerances are
+# tests/test_gpu_xla.py's (per-row errors measured there on CPU, x3). The former relative L2
+# over all 2048 x 4 rows let one output row 28% wrong pass (3e-3); per row it is 6e-2.
+GPU_ROW_TOL = {
+    "bfloat16": dict(out=6e-3, grad=2.5e-2),
+    "float32": dict(out=1.2e-3, grad=5e-3),
 }
