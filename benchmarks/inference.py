@@ -91,16 +91,16 @@ def decode_times(model, cache, token, context: int, steps: int) -> list[float]:
     return times
 
 
-def load_checkpoint(path: str, max_len: int):
-    """A converted or fine-tuned checkpoint, with its own attention settings, able to hold
-    `max_len` positions."""
+def load_checkpoint(path: str, max_len: int, dtype: str):
+    """A converted or fine-tuned checkpoint in `dtype`, with its own attention settings, able
+    to hold `max_len` positions."""
     from cca_jax.checkpoint import find_config
     from cca_jax.config import LlamaConfig
     from cca_jax.pretrained import from_pretrained
 
     stored = LlamaConfig.from_pretrained_dir(find_config(path))
-    return from_pretrained(path, max_position_embeddings=max(stored.max_position_embeddings,
-                                                             max_len))
+    return from_pretrained(path, dtype=dtype, max_position_embeddings=max(
+        stored.max_position_embeddings, max_len))
 
 
 def bench_ours(kind: str, args) -> list[dict]:
@@ -117,7 +117,7 @@ def bench_ours(kind: str, args) -> list[dict]:
     contexts = [int(c) for c in args.contexts.split(",")]
     steps = args.decode_warmup + args.decode_tokens
     if args.ckpt:
-        model = load_checkpoint(args.ckpt, _max_len(max(contexts), steps))
+        model = load_checkpoint(args.ckpt, _max_len(max(contexts), steps), args.dtype)
         cfg, kind = model.config, model.config.attention.kind
     else:
         p = PAPER_PATTERNS[kind]
@@ -303,6 +303,8 @@ def main(argv=None):
     ap.add_argument("--ckpt", default=None,
                     help="a converted or fine-tuned checkpoint instead of --shape's random "
                          "weights; its own attention settings replace --impl")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                    help="--ckpt's parameter and activation dtype (default bfloat16)")
     ap.add_argument("--out", default="benchmarks/results/inference_h200")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="instead of measuring, combine earlier --out JSON files into --out")

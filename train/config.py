@@ -102,6 +102,10 @@ class TrainConfig:
     remat: str = _opt("full", "per-layer rematerialization policy", tuple(REMAT_POLICIES))
     dtype: str = _opt("bfloat16", "parameter and activation dtype (optimizer state stays "
                       "float32)", tuple(DTYPES))
+    param_dtype: str | None = _opt(None, "parameter dtype, if not --dtype: float32 keeps a "
+                                   "float32 master copy whose small updates bfloat16 "
+                                   "parameters would round away, while activations run in "
+                                   "--dtype", tuple(DTYPES))
     # optimizer
     trainable: str = _opt("all", "which parameters train; the rest are frozen and get no "
                           "optimizer state", tuple(TRAINABLE))
@@ -194,6 +198,8 @@ class TrainConfig:
                  "rope_theta")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out.update(remat=self.remat, max_position_embeddings=self.seq_len)
+        if self.param_dtype is not None:
+            out["param_dtype"] = self.param_dtype
         return out
 
     def to_dict(self) -> dict[str, Any]:

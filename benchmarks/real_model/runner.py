@@ -148,7 +148,7 @@ class Runner:
         its own --json file (the last two arguments)."""
         e, dest = self.exp, self.paths.evals(v.name)
         ckpt, flags = self.model_flags(v)
-        shared = ["--ckpt", str(ckpt), *flags, "--no-progress"]
+        shared = ["--ckpt", str(ckpt), *flags, "--dtype", e.dtype, "--no-progress"]
         out = []
         for context in self.contexts(v):
             for text, path in (("code", self.paths.corpus / "heldout_code.txt"),
@@ -180,7 +180,7 @@ class Runner:
             self.cli(["-m", "benchmarks.real_model", "evals", str(plan)], f"{v.name}_eval")
         if v.fine_tuned and not (dest / "inference.json").exists():
             ckpt, _ = self.model_flags(v)
-            self.cli(["benchmarks/inference.py", "--ckpt", str(ckpt),
+            self.cli(["benchmarks/inference.py", "--ckpt", str(ckpt), "--dtype", self.exp.dtype,
                       "--contexts", str(self.exp.efficiency_context),
                       "--out", str(dest / "inference")], f"{v.name}_eval")
 

@@ -6,8 +6,8 @@
     python -m cca_jax.eval mdqa --ckpt DIR --data nq-open-oracle.jsonl.gz --limit 100
 
 Every subcommand takes `--ckpt`, the generate CLI's attention flags (`--attention`,
-`--group-size`, `--window-size`, `--sink-tokens`), `--dtype`, `--max-position-embeddings`
-and `--json OUT`; it prints a markdown table, writes its results as JSON, and with `--plot
+`--group-size`, `--window-size`, `--sink-tokens`), `--dtype`, `--max-position-embeddings`,
+`--rope-theta` and `--json OUT`; it prints a markdown table, writes its results as JSON, and with `--plot
 PNG` draws them. Errors the user can fix print `error: ...` and exit with status 2.
 """
 
@@ -30,6 +30,9 @@ def _shared(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
                     help="the model's context limit, raised to evaluate longer prompts "
                     "(default: the checkpoint's)")
+    ap.add_argument("--rope-theta", type=float, default=None, metavar="THETA",
+                    help="RoPE base, raised to evaluate a model as extended to a longer "
+                    "context before (or without) fine-tuning (default: the checkpoint's)")
     ap.add_argument("--json", default=None, metavar="FILE",
                     help="also write the results to this JSON file (default: none)")
     ap.add_argument("--plot", default=None, metavar="PNG",

@@ -34,6 +34,10 @@ def load_model(a):
     overrides = attention_overrides(a)
     if getattr(a, "max_position_embeddings", None) is not None:
         overrides["max_position_embeddings"] = a.max_position_embeddings
+    if getattr(a, "rope_theta", None) is not None:
+        if not a.rope_theta > 0:
+            raise UsageError(f"--rope-theta must be > 0, got {a.rope_theta}.")
+        overrides["rope_theta"] = a.rope_theta
     try:
         return from_pretrained(ckpt, dtype=a.dtype, **overrides)
     except (FileNotFoundError, ValueError) as e:
