@@ -17,7 +17,9 @@ options", sections 2 and 4):
              (SPEC 4: "visible ... from t = (j+1)*g + s - 1 on"); every other key `u <= p`
              is seen raw (SPEC 2: core groups and the local window neither overlap nor
              leave a gap). With `sink_tokens = N` (SPEC 6) the first N positions are seen
-             raw by every later query and the groups start after them.
+             by every later query and the groups start after them (`spec_sees`,
+             `core_groups`); whether a sink sits in the ring or in a slot is a layout choice
+             SPEC leaves open, so `sees_raw` / `slots_seen` refuse cca with N > 0.
 
 Slots of a row are numbered document by document, in position order ("stored back to back"):
 a document's slots are those some query of that document sees.
@@ -65,7 +67,8 @@ def sees_raw(pattern, p: int, u: int) -> bool:
     if kind in ("sliding", "streaming"):
         return p - w < u
     if kind == "cca":
-        return u not in _in_core_groups(g, w, p, n)   # sinks (u < N) are in no group
+        _no_cca_sinks(n)
+        return u not in _in_core_groups(g, w, p, n)
     raise ValueError(f"unknown attention kind {kind!r}")
 
 
@@ -73,6 +76,7 @@ def slots_seen(pattern, p: int) -> list[int]:
     """In-document slot indices the query at in-document position p sees."""
     kind, g, w, n = _fields(pattern)
     if kind == "cca":
+        _no_cca_sinks(n)
         return list(core_groups(g, w, p, n))
     if kind == "streaming":
         return [u for u in range(min(n, p + 1)) if not p - w < u]
@@ -87,6 +91,12 @@ def slot_tokens(pattern, c: int) -> list[int]:
     return [c]
 
 
+def _no_cca_sinks(n: int) -> None:
+    if n:
+        raise NotImplementedError("the cache/slot layout of CCA with sink tokens (SPEC 6) is "
+                                  "not specified: use spec_sees, or extend the oracle.")
+
+
 def spec_sees(pattern, p: int, u: int) -> bool:
     """Whether the query at p attends to key u at all (raw or inside a slot), from SPEC's
     one-line description of each option."""
@@ -95,6 +105,8 @@ def spec_sees(pattern, p: int, u: int) -> bool:
         return False
     if kind in ("full", "cca"):
         return True            # CCA: every earlier position, raw or through a core token
+                               # (with sinks too: SPEC 6, "every earlier position is still
+                               # seen exactly once")
     if kind == "sliding":
         return p - w < u
     return u < n or p - w < u  # streaming
