@@ -55,7 +55,7 @@ def readable_log_y(ax, values) -> None:
     if hi >= 4 * lo:
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     else:
-        pad = (hi - lo) * 0.05 or abs(hi) * 0.01
+        pad = (hi - lo) * 0.08 or abs(hi) * 0.01
         ticks = [t for t in MaxNLocator(nbins=5).tick_values(lo - pad, hi + pad)
                  if lo - pad <= t <= hi + pad and t > 0]
         ax.set_ylim(lo - pad, hi + pad)
@@ -88,13 +88,13 @@ def plot_ppl(record: dict[str, Any], path) -> None:
     ax.set(xlabel="position in window (tokens)", ylabel="perplexity (log scale)",
            title=f"perplexity by position (ppl {record['ppl']:.3g} over "
                  f"{record['windows']} windows)")
-    if unscored:
+    if unscored:   # shaded, and named under the axis (where no point can hide it)
         lo, hi = unscored
-        why = (f": each window scores its last {record['stride']}" if record.get("stride")
+        why = (f" (each window scores its last {record['stride']})" if record.get("stride")
                else "")
         ax.axvspan(lo, hi, color="0.9", zorder=0)
-        ax.text(0.01, 0.03, f"positions {lo}-{hi - 1} not scored{why}",
-                transform=ax.transAxes, fontsize=8, color="0.3")
+        ax.set_xlabel(f"position in window (tokens)\nshaded: positions {lo}-{hi - 1}, not "
+                      f"scored{why}")
         ax.set_xlim(left=lo)
     ax.legend()
     _save(fig, path)
@@ -108,14 +108,15 @@ def plot_passkey(record: dict[str, Any], path) -> None:
     grid = np.full((len(depths), len(lengths)), np.nan)
     for cell in record["by_length_depth"]:
         grid[depths.index(cell["depth"]), lengths.index(cell["length"])] = cell["accuracy"]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.2 + 0.9 * len(lengths)),
+                                    max(2.6, 1.0 + 0.45 * len(depths))))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         ax.text(j, i, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set(xlabel="prompt length (tokens)", ylabel="needle depth",
-           title=f"{record['task_kind']}: {_label(record)} (acc {record['accuracy']:.2f})")
+           title=f"{record['task_kind']}: {_label(record)}\naccuracy {record['accuracy']:.2f}")
     fig.colorbar(im, ax=ax, label="exact match")
     _save(fig, path)
 
