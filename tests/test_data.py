@@ -410,9 +410,28 @@ def test_tokenizer_dir_errors(tmp_path):
 # -------------------------------------------------------------------------------- the bench
 
 
-def test_bench_cli(cache, capsys):
+def test_bench_cli(cache, capsys, tmp_path):
+    """The printed rate and the JSON record count what was timed: batches after the first,
+    each batch_size x seq_len tokens, over the timed seconds (batch 2: a rate that forgot the
+    batch size would be half)."""
+    import re
+
     from train.data.__main__ import main
 
-    main(["--bench", "--seconds", "0.2", "--seq-len", "256", "--cache-dir", cache])
+    out_file = tmp_path / "bench.jsonl"
+    main(["--bench", "--seconds", "0.2", "--seq-len", "256", "--batch-size", "2",
+          "--cache-dir", cache, "--out", str(out_file)])
     out = capsys.readouterr().out
-    assert "tokens/s" in out
+    m = re.search(r"then (\d+) batches in ([\d.]+) s: ([\d,]+) tokens/s", out)
+    assert m, out
+    batches, seconds, rate = int(m[1]), float(m[2]), int(m[3].replace(",", ""))
+    assert batches >= 1 and seconds >= 0.2
+    assert rate == pytest.approx(batches * 2 * 256 / seconds, rel=0.05)   # seconds: 2 decimals
+    record = json.loads(out_file.read_text())
+    assert (record["batches"], record["batch_size"], record["seq_len"]) == (batches, 2, 256)
+    assert record["tokens_per_s"] == pytest.approx(
+        record["batches"] * 2 * 256 / record["seconds"], rel=0.05)
+    assert abs(record["tokens_per_s"] - rate) <= 1
+    main(["--bench", "--seconds", "0.2", "--seq-len", "256", "--cache-dir", cache, "--out",
+          str(out_file)])                                   # --out appends
+    assert len(out_file.read_text().splitlines()) == 2

@@ -241,31 +241,96 @@ def test_cli_ppl_json_table_and_plot(ckpt, model, tokenizer, tmp_path, capsys):
     assert "| cca g=4 s=8 | 128 |" in stdout and (tmp_path / "ppl.png").stat().st_size > 1000
 
 
-def test_cli_passkey_end_to_end(ckpt, tmp_path, capsys):
+def _stub_generate(monkeypatch, tokenizer, answer_for):
+    """Replace `cca_jax.generate.generate` (what the passkey and mdqa evaluations call) by a
+    stub that reads each prompt and answers `answer_for(prompt_text, prompt_ids)`: a model
+    that is right exactly where the test says. Returns the prompts it saw."""
+    import cca_jax.generate
+
+    seen = []
+
+    def generate(model, input_ids, *, max_new_tokens, **kw):
+        out = []
+        for ids in input_ids:
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            seen.append((text, list(ids)))
+            new = tokenizer(answer_for(text, ids), add_special_tokens=False)["input_ids"]
+            assert len(new) <= max_new_tokens, (len(new), max_new_tokens)
+            out.append(list(new))
+        return out
+
+    monkeypatch.setattr(cca_jax.generate, "generate", generate)
+    return seen
+
+
+def test_cli_passkey_scores_and_tabulates(ckpt, tokenizer, tmp_path, capsys, monkeypatch):
+    """A stub model that finds the pass key when the needle is in the first half of the
+    prompt, or when the prompt is the longer one: right at depth 0 (both lengths) and at
+    depth 1 of the 300-token prompts only. The record, its cells and the depth x length table
+    (with its mean row) say exactly that."""
+    import re
+
+    def answer(text, ids):
+        key = re.search(r"The pass key is (\d+)\.", text)
+        early = key.start() < len(text) / 2
+        return f" {key[1]}. The end." if early or len(ids) > 250 else " 12345."
+
+    seen = _stub_generate(monkeypatch, tokenizer, answer)
     out = tmp_path / "pk.json"
-    code, stdout, err = run_cli(["passkey", "--ckpt", ckpt, "--lengths", "200", "--depths",
-                                 "0,1", "--samples", 1, "--batch-size", 2, "--json", out,
+    code, stdout, err = run_cli(["passkey", "--ckpt", ckpt, "--lengths", "200,300", "--depths",
+                                 "0,1", "--samples", 2, "--batch-size", 2, "--json", out,
                                  "--plot", tmp_path / "pk.png", "--no-progress",
                                  "--attention", "sliding", "--window-size", 16], capsys)
     assert code == 0, err
+    assert len(seen) == 8 and all(len(ids) <= n for (_, ids), n in
+                                  zip(seen, [200] * 4 + [300] * 4))
     record = json.loads(out.read_text())
-    assert record["attention"] == "sliding" and len(record["results"]) == 2
-    assert [(c["length"], c["depth"]) for c in record["by_length_depth"]] == [
-        (200, 0.0), (200, 1.0)]
-    assert "| depth \\ length | 200 |" in stdout and (tmp_path / "pk.png").exists()
+    assert record["attention"] == "sliding" and len(record["results"]) == 8
+    cells = {(c["length"], c["depth"]): (c["samples"], c["accuracy"])
+             for c in record["by_length_depth"]}
+    assert cells == {(200, 0.0): (2, 1.0), (200, 1.0): (2, 0.0), (300, 0.0): (2, 1.0),
+                     (300, 1.0): (2, 1.0)}
+    assert record["accuracy"] == 0.75
+    for r in record["results"]:
+        assert r["correct"] == r["prediction"].lstrip().startswith(r["answer"])
+    table = stdout[stdout.index("| depth \\ length | 200 | 300 |"):]
+    assert table.splitlines()[2:5] == ["| 0 | 1 | 1 |", "| 1 | 0 | 1 |", "| mean | 0.5 | 1 |"]
+    assert (tmp_path / "pk.png").stat().st_size > 1000
 
 
-def test_cli_mdqa_end_to_end(ckpt, tmp_path, capsys):
+def test_cli_mdqa_scores_and_tabulates(ckpt, tokenizer, tmp_path, capsys, monkeypatch):
+    """A stub model that answers the first and third questions (a gold answer, then more
+    lines the benchmark's first-line rule drops) and not the second: accuracy 2/3, per
+    record and in the table by gold position."""
     if not NQ_ORACLE.exists():
         pytest.skip(f"{NQ_ORACLE} not found")
+    records = mdqa.read_records(NQ_ORACLE, limit=3)
+
+    def answer(text, ids):
+        i = next(i for i, r in enumerate(records) if r["question"] in text)
+        gold = records[i]["answers"][0]
+        return f" {gold}\nQuestion: something else" if i != 1 else " I do not know"
+
+    seen = _stub_generate(monkeypatch, tokenizer, answer)
     out = tmp_path / "mdqa.json"
-    code, stdout, err = run_cli(["mdqa", "--ckpt", ckpt, "--data", NQ_ORACLE, "--limit", 2,
-                                 "--max-new-tokens", 4, "--batch-size", 2, "--json", out,
+    code, stdout, err = run_cli(["mdqa", "--ckpt", ckpt, "--data", NQ_ORACLE, "--limit", 3,
+                                 "--max-new-tokens", 32, "--batch-size", 2, "--json", out,
                                  "--no-progress"], capsys)
     assert code == 0, err
+    assert len(seen) == 3
     record = json.loads(out.read_text())
-    assert record["examples"] == 2 and record["format"] == "qa"
-    assert record["accuracy"] == np.mean([r["correct"] for r in record["results"]])
+    assert record["examples"] == 3 and record["format"] == "qa"
+    assert [r["correct"] for r in record["results"]] == [True, False, True]
+    assert record["accuracy"] == pytest.approx(2 / 3)
+    golds = [mdqa.prompt_and_gold(r)[1] for r in records]
+    assert [r["gold_position"] for r in record["results"]] == golds
+    want = {}
+    for gold, ok in zip(golds, (1, 0, 1)):
+        want.setdefault(gold, []).append(ok)
+    assert [(p["gold_position"], p["examples"], p["accuracy"])
+            for p in record["by_gold_position"]] == [
+        (k, len(v), sum(v) / len(v)) for k, v in sorted(want.items())]
+    assert "| all | 3 | 0.6667 |" in stdout
 
 
 def test_cli_bad_inputs(ckpt, tmp_path, capsys):

@@ -96,18 +96,88 @@ def test_cli_flags_map_onto_the_config(tmp_path):
         pk.ExperimentConfig(attentions="full,dense")
 
 
+class _StubModel:
+    """What `_accuracy_fn` calls: hidden states that are one-hot rows of a chosen token per
+    position, and the identity as the output head, so the argmax is that token."""
+
+    def __init__(self, vocab, predict):
+        self.vocab, self.predict = vocab, predict
+
+    def hidden_states(self, ids, segment_ids, positions):
+        import jax
+        return jax.nn.one_hot(self.predict(ids), self.vocab)
+
+    def logits(self, hidden):
+        return hidden
+
+
+def test_accuracy_is_the_teacher_forced_argmax_of_the_whole_key(tmp_path):
+    """`_accuracy_fn` scores the predictions at the key_len positions before the last one
+    (each predicting the next key digit) and counts a document only if all are right: a stub
+    predicting each next token scores every document, one predicting the current token
+    none, and one with a single wrong digit in document 1 fails that document only."""
+    import jax.numpy as jnp
+
+    cfg = tiny_config(tmp_path, eval_samples=3)
+    docs = pk.evaluation_documents(cfg, 1)
+    vocab = cfg.task.vocab_size
+    ids = jnp.asarray(docs.tokens)
+    zeros = jnp.zeros_like(ids)
+    keys = jnp.asarray(docs.keys)
+
+    def score(predict):
+        correct = pk._accuracy_fn(lambda trainable, frozen: _StubModel(vocab, predict),
+                                  cfg.key_len)
+        return np.asarray(correct({}, {}, ids, zeros, zeros, keys)).tolist()
+
+    def next_token(ids):
+        return jnp.roll(ids, -1, axis=1)
+
+    def one_wrong(ids):
+        return next_token(ids).at[1, -3].set(pk.QUERY_MARK)   # document 1, one digit wrong
+
+    assert score(next_token) == [True, True, True]
+    assert score(lambda ids: ids) == [False, False, False]
+    assert score(one_wrong) == [True, False, True]
+
+
 @pytest.mark.slow
-def test_tiny_run_trains_and_evaluates_on_cpu(tmp_path):
+def test_tiny_run_trains_and_evaluates_on_cpu(tmp_path, monkeypatch):
+    """Two training steps, then the evaluation with a stub scorer that is right exactly on
+    the documents whose needle lies in the first half (depth 0) and wrong on the others
+    (depth 1): the records, the JSON, the markdown table say 1.00 and 0.00 at the right
+    depths. The training is real: its first loss is a random model's, about ln(vocab)."""
     cfg = tiny_config(tmp_path, attentions="cca")
+    real = pk._accuracy_fn
+
+    def stub_accuracy_fn(apply, key_len):
+        real(apply, key_len)                       # still built (compiled by its first call)
+        import jax.numpy as jnp
+
+        def correct(trainable, frozen, ids, segment_ids, positions, keys):
+            needle = jnp.argmax(ids == pk.KEY_MARK, axis=1)
+            return needle < ids.shape[1] // 2
+        return correct
+
+    monkeypatch.setattr(pk, "_accuracy_fn", stub_accuracy_fn)
     records = pk.run_experiment(cfg, progress=False)
     assert [r["depth"] for r in records] == [0.0, 1.0]
-    for r in records:
+    assert [r["accuracy"] for r in records] == [1.0, 0.0]
+    for i, r in enumerate(records):
+        docs = pk.evaluation_documents(cfg, i)
+        assert r["distance"] == int(docs.distance[0])
+        assert r["beyond_window"] == (r["distance"] >= cfg.window_size)
         assert r["attention"] == "cca" and r["train_steps"] == 2 and r["samples"] == 2
-        assert 0.0 <= r["accuracy"] <= 1.0 and np.isfinite(r["final_loss"])
         assert r["params"] > 0 and r["implementation"] == "xla"
+        assert len(r["loss_curve"]) == 2 and np.all(np.isfinite(r["loss_curve"]))
+        assert abs(r["loss_curve"][0] - np.log(cfg.task.vocab_size)) < 0.5
+        assert r["final_loss"] == pytest.approx(np.mean(r["loss_curve"]), abs=1e-4)
     assert records[0]["distance"] > cfg.window_size > records[1]["distance"]
     assert json.loads((tmp_path / "passkey_tiny.json").read_text()) == records
-    assert "| depth | distance | cca |" in (tmp_path / "passkey_tiny.md").read_text()
+    table = (tmp_path / "passkey_tiny.md").read_text()
+    assert "| depth | distance | cca |" in table
+    assert f"| 0.0 | {records[0]['distance']}* | 1.00 |" in table
+    assert f"| 1.0 | {records[1]['distance']} | 0.00 |" in table
 
 
 @pytest.mark.slow
