@@ -11,6 +11,11 @@ The options:
   streaming  the sliding window plus the first N tokens (attention sinks) as slots of one
              token each, for those sinks that have left the window.
   cca        SPEC section 2: num_slots = n_core(p), raw_start = g * n_core(p), slots of g.
+             With N sink tokens (SPEC 6) a document's slots are its N sinks (one raw token
+             each: `lead_slots`) and then its core tokens (groups of g from position N); a
+             sink is seen through its slot once it has left the widest raw window (s + g - 1,
+             as streaming's sinks leave theirs), so the raw window stays at most s + g - 1
+             keys and the ring at s + g. N = 0 is the paper's CCA exactly.
 Slots and the window never overlap and leave no gap, so every option is one softmax over two
 contiguous ranges.
 
@@ -53,9 +58,11 @@ def num_pooled_groups(length: int, group_size: int, window_size: int) -> int:
     return max(0, (length - window_size) // group_size)
 
 
-def visible_score_count(length: int, group_size: int, window_size: int) -> int:
-    """Query-key scores per head CCA needs for one unpacked sequence (core + raw window)."""
-    return cca_pattern(group_size, window_size).visible_scores(length)
+def visible_score_count(length: int, group_size: int, window_size: int,
+                        sink_tokens: int = 0) -> int:
+    """Query-key scores per head CCA needs for one unpacked sequence (sinks + core + raw
+    window)."""
+    return cca_pattern(group_size, window_size, sink_tokens).visible_scores(length)
 
 
 def _elementwise(python_fn, numpy_fn, jax_fn):
@@ -83,13 +90,46 @@ class _Rules(NamedTuple):
     """How one attention option sees the past, per in-document position `p`."""
     raw_start: Callable      # (pattern, p) -> first visible raw position
     num_slots: Callable      # (pattern, p) -> visible slots
-    slot_size: Callable      # pattern -> tokens per slot
+    slot_size: Callable      # pattern -> tokens per pooled slot
     max_slots: Callable      # (pattern, length, packed) -> static bound of slots per row
+    lead_slots: Callable = lambda pat: 0   # pattern -> leading slots of one raw token each
+    default_sinks: int = 0   # sink_tokens when a configuration leaves it unset
+
+
+def _cca_sinks_seen(pat, p):
+    """Sinks (SPEC 6) the cca query at `p` sees through their slots: those that have left the
+    widest raw window of `s + g - 1` keys (all N once a core token is visible)."""
+    return _minimum(_window_start(p, pat.window_size + pat.group_size - 1), pat.sink_tokens)
+
+
+def _cca_cores(pat, p):
+    """n_core of SPEC 6: CCA on the positions after the N sinks."""
+    return n_core(p - pat.sink_tokens, pat.group_size, pat.window_size)
+
+
+def _cca_raw_start(pat, p):
+    if not pat.sink_tokens:
+        return raw_start(p, pat.group_size, pat.window_size)
+    return _cca_sinks_seen(pat, p) + pat.group_size * _cca_cores(pat, p)
+
+
+def _cca_num_slots(pat, p):
+    if not pat.sink_tokens:
+        return n_core(p, pat.group_size, pat.window_size)
+    return _cca_sinks_seen(pat, p) + _cca_cores(pat, p)
 
 
 def _cca_max_slots(pat, length, packed):
     # Documents' groups never add up to more than one sequence's: sum (l_i - s) // g <= (L - s) // g.
-    return num_pooled_groups(length, pat.group_size, pat.window_size)
+    g, s, n = pat.group_size, pat.window_size, pat.sink_tokens
+    if not n:
+        return num_pooled_groups(length, g, s)
+    if not packed:
+        return int(_cca_num_slots(pat, length - 1)) if length else 0
+    # Sinks become slots in documents of s + g tokens or more (at most L // (s + g) of them),
+    # at most l - s - g + 1 in one of l tokens; the groups after the sinks add up as above.
+    sinks = max(0, min(n * (length // (s + g)), length - s - g + 1))
+    return sinks + max(0, (length - n - s) // g)
 
 
 def _streaming_max_slots(pat, length, packed):
@@ -114,12 +154,20 @@ ATTENTION_KINDS: dict[str, _Rules] = {
                         num_slots=lambda pat, p: _minimum(_window_start(p, pat.window_size),
                                                           pat.sink_tokens),
                         slot_size=lambda pat: 1,
-                        max_slots=_streaming_max_slots),
-    "cca": _Rules(raw_start=lambda pat, p: raw_start(p, pat.group_size, pat.window_size),
-                  num_slots=lambda pat, p: n_core(p, pat.group_size, pat.window_size),
+                        max_slots=_streaming_max_slots,
+                        default_sinks=4),
+    "cca": _Rules(raw_start=_cca_raw_start,
+                  num_slots=_cca_num_slots,
                   slot_size=lambda pat: pat.group_size,
-                  max_slots=_cca_max_slots),
+                  max_slots=_cca_max_slots,
+                  lead_slots=lambda pat: pat.sink_tokens),
 }
+
+
+def default_sink_tokens(kind: str) -> int:
+    """`sink_tokens` of option `kind` when a configuration leaves it unset: StreamingLLM's 4
+    for streaming, 0 (the paper's CCA) for cca."""
+    return ATTENTION_KINDS[kind].default_sinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +175,8 @@ class AttentionPattern:
     """Which keys a query sees: an attention option and its sizes (hashable, static).
 
     kind: a key of `ATTENTION_KINDS`. group_size (`g`, cca), window_size (`s` for cca, `W`
-    for sliding and streaming), sink_tokens (`N`, streaming). Fields an option does not use
-    are ignored by it.
+    for sliding and streaming), sink_tokens (`N`: streaming's sinks; cca's raw first tokens,
+    SPEC 6, 0 = the paper's CCA). Fields an option does not use are ignored by it.
     """
 
     kind: str
@@ -163,8 +211,38 @@ class AttentionPattern:
 
     @property
     def slot_size(self) -> int:
-        """Tokens summarised by one slot (g for cca; 1 for streaming's sinks)."""
+        """Tokens summarised by one pooled slot (g for cca; 1 for streaming's sinks)."""
         return self._rules.slot_size(self)
+
+    @property
+    def lead_slots(self) -> int:
+        """Slots of one raw token each that lead a document's slots, before the pooled ones
+        (cca's sinks: N). Slot `c` of a document covers in-document positions
+        `[slot_first(c), slot_last(c)]`."""
+        return self._rules.lead_slots(self)
+
+    def slot_first(self, c):
+        """First in-document position of the tokens of slot `c`."""
+        n = self.lead_slots
+        if not n:
+            return c * self.slot_size
+        return _minimum(c, n) + _maximum(c - n, 0) * self.slot_size
+
+    def slot_last(self, c):
+        """Last in-document position of slot `c`: its slot is pooled with that token's query."""
+        return self.slot_first(c + 1) - 1
+
+    def slot_length(self, c):
+        """Tokens of slot `c`: 1 for a lead slot, else `slot_size`."""
+        return self.slot_first(c + 1) - self.slot_first(c)
+
+    def slots_ending_before(self, p):
+        """How many slots end before in-document position `p` (their last token `< p`); also
+        the index of the first slot that ends at or after `p`."""
+        n = self.lead_slots
+        if not n:
+            return p // self.slot_size
+        return _minimum(p, n) + _maximum(p - n, 0) // self.slot_size
 
     def max_slots(self, length: int, packed: bool = False) -> int:
         """Slots a row of `length` needs (all documents together when `packed`)."""
@@ -176,24 +254,28 @@ class AttentionPattern:
         return int(np.sum(self.num_slots(t) + t - self.raw_start(t) + 1))
 
 
-def cca_pattern(group_size: int, window_size: int) -> AttentionPattern:
-    return AttentionPattern("cca", group_size=group_size, window_size=window_size)
+def cca_pattern(group_size: int, window_size: int, sink_tokens: int = 0) -> AttentionPattern:
+    """CCA with group `g`, window `s` and `N` sink tokens (SPEC 6; 0: the paper's CCA)."""
+    return AttentionPattern("cca", group_size=group_size, window_size=window_size,
+                            sink_tokens=sink_tokens)
 
 
 
 
 class RowRanges(NamedTuple):
-    """Per query row `[B, L]` int32 bounds, plus where each slot's tokens start.
+    """Per query row `[B, L]` int32 bounds, plus where each slot's tokens start and end.
 
     raw_lo, core_lo, core_hi: see the module docstring.
-    group_start: `[B, m]` first position of the tokens pooled into slot `c`, or None when
-    slots are the plain runs `[c * slot_size, (c + 1) * slot_size)` (no segment_ids).
+    group_start, group_last: `[B, m]` first and last position of the tokens of slot `c` (a
+    lead slot is one token: start == last), or None when the slots are those of one document
+    starting at row 0 (`AttentionPattern.slot_first` / `slot_last`; no segment_ids).
     """
 
     raw_lo: jax.Array
     core_lo: jax.Array
     core_hi: jax.Array
     group_start: jax.Array | None
+    group_last: jax.Array | None = None
 
 
 def pattern_ranges(pattern: AttentionPattern, length: int,
@@ -217,22 +299,28 @@ def pattern_ranges(pattern: AttentionPattern, length: int,
     nc = pattern.num_slots(pos)
     slots_in_doc = pattern.num_slots(doc_len - 1)
     # Slot ends: the last position of every slot some query of its document sees.
-    is_slot_end = ((pos + 1) % size == 0) & ((pos + 1) // size <= slots_in_doc)
+    in_doc = completed_slot(pattern, pos)
+    is_slot_end = (in_doc >= 0) & (in_doc < slots_in_doc)
     slots_through = jnp.cumsum(is_slot_end.astype(jnp.int32), axis=1)
     slots_before = slots_through - is_slot_end
     core_lo = jnp.take_along_axis(slots_before, doc_start, axis=1)
     m = pattern.max_slots(length, packed=True)
     slot = jnp.where(is_slot_end, slots_through - 1, m)  # m: dropped by the scatter
     # Unused slots point at position 0 of the row: finite values that no query ever sees.
-    group_start = jnp.zeros((batch, m), jnp.int32).at[
-        jnp.arange(batch)[:, None], slot].set(t - size + 1, mode="drop")
-    return RowRanges(doc_start + pattern.raw_start(pos), core_lo, core_lo + nc, group_start)
+    rows = jnp.arange(batch)[:, None]
+    first = t - size + 1 if not pattern.lead_slots else t + 1 - pattern.slot_length(in_doc)
+    group_start = jnp.zeros((batch, m), jnp.int32).at[rows, slot].set(first, mode="drop")
+    group_last = jnp.zeros((batch, m), jnp.int32).at[rows, slot].set(
+        jnp.broadcast_to(t, (batch, length)), mode="drop")
+    return RowRanges(doc_start + pattern.raw_start(pos), core_lo, core_lo + nc, group_start,
+                     group_last)
 
 
 def row_ranges(length: int, group_size: int, window_size: int,
-               segment_ids: jax.Array | None = None) -> RowRanges:
-    """`pattern_ranges` for CCA with group `g` and window `s`."""
-    return pattern_ranges(cca_pattern(group_size, window_size), length, segment_ids)
+               segment_ids: jax.Array | None = None, sink_tokens: int = 0) -> RowRanges:
+    """`pattern_ranges` for CCA with group `g`, window `s` and `N` sinks."""
+    return pattern_ranges(cca_pattern(group_size, window_size, sink_tokens), length,
+                          segment_ids)
 
 
 def document_starts(segment_ids) -> jax.Array:
@@ -262,9 +350,10 @@ def pattern_dense_visibility(pattern: AttentionPattern, length: int,
 
 
 def dense_visibility(length: int, group_size: int, window_size: int,
-                     segment_ids=None) -> tuple[np.ndarray, np.ndarray]:
-    """`pattern_dense_visibility` for CCA (slot count: `num_pooled_groups`)."""
-    return pattern_dense_visibility(cca_pattern(group_size, window_size), length, segment_ids)
+                     segment_ids=None, sink_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`pattern_dense_visibility` for CCA (slot count: `max_slots`)."""
+    return pattern_dense_visibility(cca_pattern(group_size, window_size, sink_tokens), length,
+                                    segment_ids)
 
 
 # ---- Block-level bounds ------------------------------------------------------------------
@@ -373,8 +462,9 @@ def row_blocks_for_interval(a0, a1, b0, b1, block_q: int):
 #     entry `u % R`, so once positions `0 .. t` are written, entry `i` holds the latest
 #     `u <= t` with `u % R == i` (`ring_positions`);
 #   * slots `0 .. C-1`, `C = pattern.max_slots(max_len)`: slot `c` summarises positions
-#     `[c * slot_size, (c + 1) * slot_size)` and is written when its last token
-#     `(c + 1) * slot_size - 1` is processed (`completed_slot`), pooled with that token's query.
+#     `[slot_first(c), slot_last(c)]` (`[c * slot_size, (c + 1) * slot_size)` without lead
+#     slots; cca's sinks: the token `c` itself, kept raw) and is written when its last token
+#     is processed (`completed_slot`), pooled with that token's query.
 # What a query at absolute in-sequence position `t` sees of it comes from
 # `AttentionPattern.raw_start` / `num_slots` only: ring entries whose position `u` satisfies
 # `raw_start(t) <= u <= t` (`u > t - R` holds by construction, and `R` covers the widest
@@ -442,14 +532,24 @@ def cache_slot_visible(pattern: AttentionPattern, t, num_slots: int):
 
 
 def completed_slot(pattern: AttentionPattern, t):
-    """The slot whose last token is position `t`, or -1 when `t` completes none. The cache
-    stores it only if it is `< C` (later slots are never visible within max_len)."""
-    size = pattern.slot_size
-    done = (t + 1) % size == 0
-    c = (t + 1) // size - 1
-    if isinstance(done, (bool, np.bool_)):
-        return c if done else -1
-    return np.where(done, c, -1) if isinstance(done, np.ndarray) else jnp.where(done, c, -1)
+    """The slot whose last token is in-document position `t` (`slot_last(c) == t`), or -1
+    when `t` completes none. The cache stores it only if it is `< C` (later slots are never
+    visible within max_len)."""
+    size, lead = pattern.slot_size, pattern.lead_slots
+    u = t - lead if lead else t            # position among the pooled tokens
+    done = (u + 1) % size == 0
+    c = (u + 1) // size - 1 + lead
+    if lead:                               # a lead slot (a sink) is its own token
+        done = done | (u < 0)
+        c = _where(u < 0, t, c)
+    return _where(done, c, -1)
+
+
+def _where(cond, a, b):
+    """`where` on Python bools / numpy / jax values alike."""
+    if isinstance(cond, (bool, np.bool_)):
+        return a if cond else b
+    return np.where(cond, a, b) if isinstance(cond, np.ndarray) else jnp.where(cond, a, b)
 
 
 def completes_slot(pattern: AttentionPattern, t, num_slots: int):
@@ -488,18 +588,34 @@ def chunk_ranges(pattern: AttentionPattern, p0, chunk: int, front: int, num_slot
 def chunk_slots(pattern: AttentionPattern, p0, chunk: int, front: int):
     """Slots completed by a chunk at positions `[p0, p0 + chunk)` (layout of `chunk_ranges`).
 
-    Returns `(slot, start)`, int32 `[B, n]` with `n = ceil(chunk / slot_size)` candidates:
-    slot indices, in order, whose last token may fall in the chunk, and the virtual index of
-    each one's first token. A candidate is real iff its last token
-    `(slot + 1) * slot_size - 1` is `< p0 + (tokens of the chunk)`.
+    Returns `(slot, start)`, int32 `[B, n]` with `n = slot_ends_bound(pattern, chunk)`
+    candidates: slot indices, in order, whose last token may fall in the chunk, and the
+    virtual index of each one's first token. A candidate is real iff its last token
+    `pattern.slot_last(slot)` is `< p0 + (tokens of the chunk)`.
     """
     xp = _xp(p0)
-    size = pattern.slot_size
-    n = -(-chunk // size)
+    n = slot_ends_bound(pattern, chunk)
     p0 = xp.asarray(p0, dtype=xp.int32)[:, None]
-    first = (p0 + size) // size - 1          # the first slot ending at or after p0
+    first = pattern.slots_ending_before(p0)   # the first slot ending at or after p0
     slot = first + xp.arange(n, dtype=xp.int32)
-    return slot, slot * size - p0 + front
+    return slot, pattern.slot_first(slot) - p0 + front
+
+
+def slot_ends_bound(pattern: AttentionPattern, rows: int, packed: bool = False) -> int:
+    """Static bound on the slots whose last token lies in `rows` consecutive rows.
+
+    Pooled slots end at least `slot_size` apart, across documents too (a document's first
+    one ends `slot_size - 1` after its lead slots, after the previous document's last one).
+    Lead slots (cca's sinks) end at a document's first N positions: one document's (its
+    start) unpacked; packed, those of the documents met, which are `s + g` tokens or more
+    when they have sink slots.
+    """
+    pooled = -(-rows // pattern.slot_size)
+    lead = pattern.lead_slots
+    if not lead:
+        return pooled
+    docs = (rows - 1) // (pattern.window_size + pattern.slot_size) + 2 if packed else 1
+    return min(rows, pooled + lead * docs)
 
 
 # ---- Decode bounds: one query per row against the cache (Pallas GPU decode kernel) --------

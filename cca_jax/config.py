@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.attention.pooling import POOLING_FNS
-from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern
+from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, default_sink_tokens
 from cca_jax.rope import INV_FREQ_FNS
 
 # Remat policies by name (None: no remat); `model.py` applies them.
@@ -31,6 +31,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 # Key under which our CCA settings are recorded inside a HF config.json.
 CCA_CONFIG_KEY = "cca_attention"
+# Format of that record, written into it as "format": 2 since sink_tokens applies to cca too
+# (SPEC 6). A record without it is older: there, cca ignored sink_tokens (written as 4, the
+# streaming default), so it loads as plain CCA (0 sinks).
+ATTENTION_RECORD_FORMAT = 2
 
 # What transformers assumes for HF keys a config.json may leave out, per family.
 _FAMILY_HF_KEY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -76,7 +80,11 @@ class AttentionConfig:
     kind: "cca" (the default), "full" (causal), "sliding" (the last `window_size` keys) or
     "streaming" (StreamingLLM: `sink_tokens` first tokens plus the sliding window).
     group_size: tokens pooled into one core token (`g`, cca). window_size: the raw local window
-    (`s` for cca, `W` for sliding and streaming). sink_tokens: streaming's sinks (`N`).
+    (`s` for cca, `W` for sliding and streaming). sink_tokens (`N`): the first tokens of each
+    document every later query sees raw: streaming's sinks, or cca's (SPEC 6: the groups start
+    after them). None (the default) takes the option's own default, 4 for streaming and 0
+    (the paper's CCA) for cca; a change of `kind` by name (`LlamaConfig.replace(attention=
+    "streaming")`) that does not give sink_tokens takes the new option's default too.
     pooling (cca): "cca" (query-weighted, the paper's), "mean" or "max" (ablations).
     implementation: "auto" picks the fastest available for the backend and call; "naive" is
     the dense reference (tests, small L); "xla" is blocked and memory-linear on any backend.
@@ -85,12 +93,16 @@ class AttentionConfig:
     kind: str = "cca"
     group_size: int = 16
     window_size: int = 1024
-    sink_tokens: int = 4
+    sink_tokens: int | None = None
     pooling: str = "cca"
     implementation: str = "auto"
 
     def __post_init__(self):
-        self.pattern  # validates kind and sizes  # noqa: B018
+        _require(self.kind in ATTENTION_KINDS,
+                 f"attention must be one of {sorted(ATTENTION_KINDS)}, got {self.kind!r}.")
+        if self.sink_tokens is None:
+            object.__setattr__(self, "sink_tokens", default_sink_tokens(self.kind))
+        self.pattern  # validates sizes  # noqa: B018
         _require(self.pooling in tuple(POOLING_FNS),
                  f"pooling must be one of {tuple(POOLING_FNS)}, got {self.pooling!r}.")
         _require(self.implementation in IMPLEMENTATION_CHOICES,
@@ -116,13 +128,31 @@ def _attention_config(value, base: AttentionConfig | None = None) -> AttentionCo
         return value
     base = base or AttentionConfig()
     if isinstance(value, str):
-        return dataclasses.replace(base, kind=value)
+        value = {"kind": value}
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(ATTENTION_FIELDS))
         _require(not unknown, f"unknown attention settings {unknown}; known: {ATTENTION_FIELDS}.")
+        value = dict(value)
+        if value.get("kind", base.kind) != base.kind:   # another option: its own sink default
+            value.setdefault("sink_tokens", None)
         return dataclasses.replace(base, **value)
     raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}, an AttentionConfig "
                      f"or a dict of its fields, got {value!r}.")
+
+
+def _attention_from_record(record: Any) -> AttentionConfig:
+    """The AttentionConfig of a config.json's CCA_CONFIG_KEY record, old formats included."""
+    _require(isinstance(record, Mapping),
+             f"config.json's {CCA_CONFIG_KEY!r} must be an object of attention settings, "
+             f"got {record!r}.")
+    record = dict(record)
+    fmt = record.pop("format", 1)
+    _require(fmt in (1, ATTENTION_RECORD_FORMAT),
+             f"config.json's {CCA_CONFIG_KEY!r} has format {fmt!r}; this cca-jax reads formats "
+             f"1 and {ATTENTION_RECORD_FORMAT}: update cca-jax to load this checkpoint.")
+    if fmt == 1 and record.get("kind", AttentionConfig.kind) == "cca":
+        record.pop("sink_tokens", None)    # cca ignored it then: plain CCA
+    return _attention_config(record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +348,7 @@ class LlamaConfig:
         values["rope_scaling"] = RopeScaling.from_hf(rope)
         values["sliding_window"] = _hf_sliding_window(hf, model_type)
         if CCA_CONFIG_KEY in hf:     # our own export: the attention it was saved with
-            attention = _attention_config(hf[CCA_CONFIG_KEY])
+            attention = _attention_from_record(hf[CCA_CONFIG_KEY])
         elif values["sliding_window"] is not None:   # behave as transformers does
             attention = AttentionConfig(kind="sliding", window_size=values["sliding_window"])
         else:
@@ -374,7 +404,7 @@ class LlamaConfig:
                              else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
             "dtype": self.param_dtype,
-            CCA_CONFIG_KEY: self.attention.to_dict(),
+            CCA_CONFIG_KEY: {**self.attention.to_dict(), "format": ATTENTION_RECORD_FORMAT},
         }
         out.update(_FAMILY_HF_EXPORT[model_type])
         if self.sliding_window is not None:

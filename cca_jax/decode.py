@@ -38,7 +38,7 @@ from flax import nnx
 from cca_jax import blocks
 from cca_jax.attention import resolve_implementation, run_attention
 from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
-from cca_jax.attention.pooling import pool_core_tokens, slots_and_bounds
+from cca_jax.attention.pooling import pool_ending_slot, pool_pattern_slots, slots_and_bounds
 from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
 from cca_jax.kv_cache import KVCache
@@ -228,9 +228,8 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
     model's implementation has a blocked form and the pattern slots, the slots are pooled
     once for the attention and the cache. With `out_rows`: the cache, then those rows'
     outputs from it (`_attend_rows`)."""
-    size = pat.slot_size
-    pooled = min(n // size, num_slots)
-    done = (jnp.arange(pooled) < (n_valid // size)[:, None])[:, :, None, None]
+    pooled = min(pat.slots_ending_before(n), num_slots)
+    done = (jnp.arange(pooled) < pat.slots_ending_before(n_valid)[:, None])[:, :, None, None]
     zero = jnp.zeros_like(n_valid)
     name = resolve_implementation(cfg.attention.implementation, pattern=pat,
                                   head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
@@ -249,8 +248,8 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
                                                 window)
         else:
             if pooled:
-                new_ck, new_cv = pool_core_tokens(q, k, v, group_size=size, num_groups=pooled,
-                                                  pooling=cfg.attention.pooling)
+                new_ck, new_cv = pool_pattern_slots(q, k, v, pat, pooled,
+                                                    pooling=cfg.attention.pooling)
             if out_rows is None:
                 out = run_attention(q, k, v, pat, pooling=cfg.attention.pooling,
                                     implementation=cfg.attention.implementation)
@@ -277,7 +276,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     _check_cache(cfg, cache)
     pat = cache.pattern
     b, n = ids.shape
-    ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
+    ring, num_slots = cache.ring, cache.num_slots
     front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
     total = front + n
     blocked = BLOCKED_IMPLEMENTATIONS[offset_implementation(cfg)]
@@ -296,9 +295,10 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
     if num_slots:
         slot, start = blocks.chunk_slots(pat, p0, n, front)
-        done = ((slot + 1) * size - 1 < end[:, None]) & (slot < num_slots)
+        done = (pat.slot_last(slot) < end[:, None]) & (slot < num_slots)
+        length = pat.slot_length(slot)
         slot = jnp.where(done, slot, num_slots)
-        start = jnp.clip(start, 0, total - size)
+        start = jnp.clip(start, 0, total - length)
 
     def virtual(ring_x, new):
         old = jnp.take_along_axis(ring_x, order[:, :, None, None], axis=1)
@@ -313,9 +313,10 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
                               q.astype(kv_k.dtype)], axis=1)
         ck, cv = cache.ck, cache.cv
         if num_slots:
-            new_ck, new_cv = pool_core_tokens(qv, kv_k, kv_v, group_size=size,
-                                              num_groups=slot.shape[1],
-                                              pooling=cfg.attention.pooling, group_start=start)
+            new_ck, new_cv = pool_pattern_slots(qv, kv_k, kv_v, pat, slot.shape[1],
+                                                pooling=cfg.attention.pooling,
+                                                group_start=start,
+                                                group_last=start + length - 1)
             ck, cv = _scatter(ck, i, rows, slot, new_ck), _scatter(cv, i, rows, slot, new_cv)
         if out_rows is None:
             out = blocked(qv, kv_k, kv_v, _layer(ck, i), _layer(cv, i), raw_lo, core_lo,
@@ -553,8 +554,8 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
         if pool_slots:
             k_members, v_members = k_all[i, rows, members], v_all[i, rows, members]
             q_group = jnp.concatenate([jnp.zeros((b, size - 1, *q.shape[2:]), q.dtype), q], 1)
-            new_ck, new_cv = pool_core_tokens(q_group, k_members, v_members, group_size=size,
-                                              num_groups=1, pooling=cfg.attention.pooling)
+            new_ck, new_cv = pool_ending_slot(q_group, k_members, v_members, pat, c,
+                                              pooling=cfg.attention.pooling)
             ck = _set_entry(ck, i, slot, new_ck[:, 0], pooled)
             cv = _set_entry(cv, i, slot, new_cv[:, 0], pooled)
         out = attention(q[:, 0], k_all, v_all, ck, cv, i, pat, p)

@@ -6,8 +6,9 @@ Per layer and sequence it holds
     streaming, `max_len` for full attention; position `u` lives in entry `u % R`;
   * slots per *query* head, `C = pattern.max_slots(max_len)`: cca's core tokens (slot `c`
     pooled from its `g` raw keys/values with the query of its last token, at the moment that
-    token is processed), streaming's `N` sink tokens (slots of one token, copied per query
-    head); none for full and sliding;
+    token is processed), streaming's `N` sink tokens and cca's (SPEC 6: slots `0 .. N-1`,
+    before the core tokens), slots of one token each, kept raw and copied per query head;
+    none for full and sliding;
   * the number of tokens written per sequence (`lengths`, `[B]`): the position of the next
     token, so every batch row has its own position, group boundary and ring state.
 Arrays are stacked over layers on a leading axis (the model's layers are), preallocated for

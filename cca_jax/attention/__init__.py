@@ -228,16 +228,19 @@ def _run_sequence_sharded(q, k, v, pattern, pooling, implementation, segment_ids
 
 
 def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
-                  window_size: int, pooling: str = "cca", implementation: str = "auto",
+                  window_size: int, sink_tokens: int = 0, pooling: str = "cca",
+                  implementation: str = "auto",
                   segment_ids: jax.Array | None = None) -> jax.Array:
     """Core Context Aware attention (SPEC.md): one softmax over core tokens and a local window.
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]`, RoPE already applied; `Hq` a multiple of `Hkv`.
-    group_size (`g`) and window_size (`s`) are Python ints. segment_ids: optional `[B, L]`
+    group_size (`g`) and window_size (`s`) are Python ints. sink_tokens (`N`, SPEC 6): the
+    first N positions of each document are seen raw by every later query and the groups start
+    after them; 0 (the default) is the paper's CCA exactly. segment_ids: optional `[B, L]`
     ints; each maximal run of equal ids is one document (packed rows): queries see raw and
-    core tokens of their own document only, groups counted from its start.
+    core tokens of their own document only, sinks and groups counted from its start.
     Returns `[B, L, Hq, D]` in the dtype of q.
     """
-    pattern = cca_pattern(group_size, window_size)   # validates both (positive Python ints)
+    pattern = cca_pattern(group_size, window_size, sink_tokens)   # validates (Python ints)
     return run_attention(q, k, v, pattern, pooling=pooling, implementation=implementation,
                          segment_ids=segment_ids)

@@ -1,8 +1,10 @@
-"""Dense attention for every option (SPEC sections 1-3 for CCA) with L x L masks. Tests, small L.
+"""Dense attention for every option (SPEC sections 1-3 for CCA, 6 with sinks) with L x L
+masks. Tests, small L.
 
-Every position is treated as a candidate slot (the group ending there); masks keep the slots
-that really are group ends the query may see. Everything is computed in float32,
-so this doubles as the high-precision reference for bf16 runs.
+Every position is treated as a candidate slot (the slot ending there: a group, or a lead
+slot's one token); masks keep the slots that really end there and that the query may see.
+Everything is computed in float32, so this doubles as the high-precision reference for bf16
+runs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import AttentionPattern, cca_pattern, document_starts
+from cca_jax.blocks import AttentionPattern, cca_pattern, completed_slot, document_starts
 
 
 def _document_positions(segment_ids, batch: int, length: int):
@@ -59,12 +61,14 @@ def attention_naive(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
     same_doc = doc[:, :, None] == doc[:, None, :]                     # [B, Lq, Lk]
     raw_mask = same_doc & (t[None, None, :] <= t[None, :, None]) & (
         t[None, None, :] >= (start + pattern.raw_start(pos))[:, :, None])
-    is_slot_end = ((pos + 1) % size == 0) & (pos >= size - 1)
-    slot_index = (pos + 1) // size - 1
-    core_mask = same_doc & is_slot_end[:, None, :] & (
+    slot_index = completed_slot(pattern, pos)                         # -1: no slot ends here
+    core_mask = same_doc & (slot_index >= 0)[:, None, :] & (
         slot_index[:, None, :] < nc[:, :, None])
 
     ck, cv = _pool_every_position(qf, kf, vf, size, pooling if size > 1 else "mean")
+    if pattern.lead_slots:   # a lead slot (a sink) ending at a position is its own token
+        lead = (slot_index < pattern.lead_slots)[:, :, None, None]
+        ck, cv = jnp.where(lead, kf, ck), jnp.where(lead, vf, cv)
     scale = 1.0 / math.sqrt(d)
     neg = jnp.finfo(compute).min
     core_logits = jnp.einsum("bthd,behd->bhte", qf, ck) * scale
@@ -78,8 +82,8 @@ def attention_naive(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
     return out.astype(q.dtype)
 
 
-def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
-                        segment_ids=None):
+def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, sink_tokens: int = 0,
+                        pooling: str = "cca", segment_ids=None):
     """CCA attention by dense masks; same signature and result as `cca_attention`."""
-    return attention_naive(q, k, v, cca_pattern(group_size, window_size), pooling=pooling,
-                           segment_ids=segment_ids)
+    return attention_naive(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+                           pooling=pooling, segment_ids=segment_ids)

@@ -11,14 +11,17 @@ never moves the full K/V between devices:
     streaming). So a chunk needs, besides its own rows, only the last `H = widest - 1` raw k/v
     rows of the chunk before it (the *halo*, one `jax.lax.ppermute`). `H <= C` is required:
     a window reaching past the previous chunk is refused (ValueError), not walked as a ring.
-  * Slots (cca's core tokens, streaming's sinks): every chunk pools the slots whose *last*
-    token lies in its rows (that token's query does the pooling; the slot's other tokens lie
-    within `slot_size - 1 <= H` rows before it, in the halo or the chunk). Which slots those are
-    comes from `blocks.pattern_ranges` of the whole row: its `group_start` (packed documents
-    count groups from each document's start) on the all-gathered segment ids, which are
-    `L` ints. The pooled slots (`ceil(C / slot_size)` per chunk, at most `m` in all) are
-    all-gathered over `axis` and put back into the global slot order (a gather of `m` small
-    rows), so every row's visible slots are the contiguous range `[core_lo, core_hi)`.
+  * Slots (cca's sinks and core tokens, streaming's sinks): every chunk pools the slots whose
+    *last* token lies in its rows (that token's query does the pooling; the slot's other
+    tokens lie within `slot_size - 1 <= H` rows before it, in the halo or the chunk). Which
+    slots those are comes from `blocks.pattern_ranges` of the whole row: its `group_start` /
+    `group_last` (packed documents count sinks and groups from each document's start) on the
+    all-gathered segment ids, which are `L` ints. The pooled slots
+    (`blocks.slot_ends_bound(pattern, C)` per chunk, at most `m` in all) are all-gathered over
+    `axis` and put back into the global slot order (a gather of `m` small rows), so every
+    row's visible slots are the contiguous range `[core_lo, core_hi)`. cca's sinks (SPEC 6)
+    are slots of one token: they live on the shard of the document's start (the first shard
+    of an unpacked row) and reach the others with the core tokens.
   * Each chunk then runs the blocked attention of `implementation` (`attention.blocked`: the
     Pallas kernels on GPU / TPU, `xla.blocked_attention` elsewhere) on the virtual sequence
     `[halo (H rows) ++ chunk (C rows)]`: query rows of the halo are zeros that see only keys
@@ -67,10 +70,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from cca_jax.attention.pooling import pool_core_tokens
+from cca_jax.attention.pooling import pool_pattern_slots
 from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
 from cca_jax.attention.xla import default_blocking
-from cca_jax.blocks import AttentionPattern, pattern_ranges, widest_window
+from cca_jax.blocks import AttentionPattern, pattern_ranges, slot_ends_bound, widest_window
 from cca_jax.sharding import LOGICAL_RULES
 
 __all__ = ["sequence_sharded_attention", "zigzag_permutation", "sequence_layout",
@@ -86,7 +89,7 @@ class SequenceLayout(NamedTuple):
     chunk: int         # C = L / chunks rows
     halo: int          # H raw k/v rows each chunk receives from the chunk before it
     slots: int         # m: slots of the row (pattern.max_slots)
-    capacity: int      # slots pooled per chunk (static): min(m, ceil(C / slot_size))
+    capacity: int      # slots pooled per chunk (static): min(m, blocks.slot_ends_bound)
 
 
 def zigzag_permutation(length: int, shards: int) -> np.ndarray:
@@ -178,10 +181,8 @@ def sequence_layout(pattern: AttentionPattern, length: int, shards: int, *,
             + f") needs the previous {halo} raw keys of every row, more than one chunk of "
             f"{chunk} rows (L={length} / {chunks} chunks): the halo would span several "
             f"neighbours. Use fewer sequence shards, zigzag=False, or a longer sequence.")
-    # Slot ends are at least slot_size apart (within a document every slot_size-th position;
-    # a document's first slot ends slot_size - 1 after its start, after the previous one's
-    # last slot end), so one chunk holds the last tokens of at most ceil(C / slot_size) slots.
-    return SequenceLayout(shards, chunks, chunk, halo, m, min(m, -(-chunk // size)))
+    capacity = min(m, slot_ends_bound(pattern, chunk, packed=packed))
+    return SequenceLayout(shards, chunks, chunk, halo, m, capacity)
 
 
 def _axes_for(rule, size: int, mesh: Mesh, used: set) -> tuple[str, ...]:
@@ -248,7 +249,6 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
            axis: str, zigzag: bool, natural: bool, blocked):
     n, nc, c_len, halo, m, cap = lay
     length = nc * c_len
-    size = pattern.slot_size
     i = jax.lax.axis_index(axis)
     b, _, hq, d = q.shape
 
@@ -282,10 +282,13 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
     # Slots: each chunk pools those whose last token is in its rows; all-gather; global order.
     if m:
         slot = jnp.arange(m, dtype=jnp.int32)
-        starts = (jnp.broadcast_to(slot * size, (b, m)) if ranges.group_start is None
-                  else ranges.group_start.astype(jnp.int32))
+        if ranges.group_start is None:
+            starts = jnp.broadcast_to(pattern.slot_first(slot), (b, m))
+            lasts = jnp.broadcast_to(pattern.slot_last(slot), (b, m))
+        else:
+            starts, lasts = (x.astype(jnp.int32) for x in (ranges.group_start, ranges.group_last))
         real = slot < core_hi[:, length - 1:]          # the last row sees every slot of its doc
-        ends = jnp.where(real, starts + size - 1, length)   # non-decreasing
+        ends = jnp.where(real, lasts, length)          # non-decreasing
         chunk_starts = jnp.arange(nc, dtype=jnp.int32) * c_len
         before = jax.vmap(lambda e: jnp.searchsorted(e, chunk_starts, side="left"))(ends)
         pooled = []
@@ -294,8 +297,9 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
             idx = jnp.minimum(mine, m - 1)
             own = (mine < m) & (jnp.take_along_axis(ends, idx, 1) < (ch + 1) * c_len)
             local = jnp.where(own, jnp.take_along_axis(starts, idx, 1) - off, 0)
-            pooled.append(pool_core_tokens(qx, kx, vx, group_size=size, num_groups=cap,
-                                           pooling=pooling, group_start=local))
+            local_last = local + jnp.take_along_axis(lasts - starts, idx, 1)
+            pooled.append(pool_pattern_slots(qx, kx, vx, pattern, cap, pooling=pooling,
+                                             group_start=local, group_last=local_last))
         ck_loc, cv_loc = (jnp.concatenate(x, axis=1) for x in zip(*pooled))
         ck_all, cv_all = (jax.lax.all_gather(x, axis, axis=1, tiled=True)
                           for x in (ck_loc, cv_loc))

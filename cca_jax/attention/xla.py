@@ -58,11 +58,13 @@ def attention_xla(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
     return blocked_attention(q, k, v, ck, cv, *bounds, blocking)
 
 
-def cca_attention_xla(q, k, v, *, group_size: int, window_size: int, pooling: str = "cca",
-                      segment_ids=None, block_q: int | None = None, block_c: int | None = None):
+def cca_attention_xla(q, k, v, *, group_size: int, window_size: int, sink_tokens: int = 0,
+                      pooling: str = "cca", segment_ids=None, block_q: int | None = None,
+                      block_c: int | None = None):
     """CCA attention, blocked; same signature and result as `cca_attention`."""
-    return attention_xla(q, k, v, cca_pattern(group_size, window_size), pooling=pooling,
-                         segment_ids=segment_ids, block_q=block_q, block_c=block_c)
+    return attention_xla(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+                         pooling=pooling, segment_ids=segment_ids, block_q=block_q,
+                         block_c=block_c)
 
 
 # ---- layout ------------------------------------------------------------------------------

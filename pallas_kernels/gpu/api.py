@@ -94,8 +94,11 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
 
 
 def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
-                             pooling: str = "cca", segment_ids=None, interpret=None, **tiling):
-    """CCA attention (SPEC.md) through Pallas' Triton lowering; result as `cca_attention_xla`.
+                             sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
+                             interpret=None, **tiling):
+    """CCA attention (SPEC.md; `sink_tokens`: section 6) through Pallas' Triton lowering;
+    result as `cca_attention_xla`. The sinks are slots like the core tokens: the kernels are
+    the same.
 
     q: `[B, L, Hq, D]`, k, v: `[B, L, Hkv, D]` with D in (64, 128). `tiling`: KernelConfig
     field overrides (block_q, block_k, num_warps, num_stages tile the forward kernel;
@@ -104,5 +107,6 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
     """
     _check_head_dim(q.shape[-1])   # before pooling: a clear error, not a kernel failure
     prepared = core_tokens_and_bounds(q, k, v, group_size=group_size, window_size=window_size,
-                                      pooling=pooling, segment_ids=segment_ids)
+                                      sink_tokens=sink_tokens, pooling=pooling,
+                                      segment_ids=segment_ids)
     return blocked_attention_pallas_gpu(q, k, v, *prepared, interpret=interpret, **tiling)

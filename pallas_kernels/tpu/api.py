@@ -180,9 +180,11 @@ def attention_pallas_tpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
 
 
 def cca_attention_pallas_tpu(q, k, v, *, group_size: int, window_size: int,
-                             pooling: str = "cca", segment_ids=None, interpret=None, **tiling):
-    """CCA attention (SPEC.md) through the TPU kernels; same result as `cca_attention`."""
-    return attention_pallas_tpu(q, k, v, cca_pattern(group_size, window_size),
+                             sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
+                             interpret=None, **tiling):
+    """CCA attention (SPEC.md; `sink_tokens`: section 6) through the TPU kernels; same result
+    as `cca_attention`."""
+    return attention_pallas_tpu(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
                                 pooling=pooling, segment_ids=segment_ids,
                                 interpret=interpret, **tiling)
 
