@@ -51,7 +51,7 @@ class GenerationStats:
     so the times below hold no compilation."""
     prompt_tokens: list[int] = dataclasses.field(default_factory=list)
     max_len: int = 0
-    compile_seconds: float = 0.0         # compiling the prefill and decode programs
+    compile_seconds: float = 0.0         # compiling the prefill, sampling and decode programs
     time_to_first_token: float = 0.0     # prefill + first sample
     decode_tokens: int = 0      # tokens after each row's first, all rows together
     decode_seconds: float = 0.0  # wall time from the first tokens to the last ones
@@ -403,7 +403,8 @@ def add_attention_args(ap: argparse.ArgumentParser) -> None:
                     help="local window in tokens: CCA's s, sliding's and streaming's W "
                     "(default: the checkpoint's)")
     ap.add_argument("--sink-tokens", type=int, default=None, metavar="N",
-                    help="streaming's attention sinks: the first N tokens stay visible "
+                    help="attention sinks: the first N tokens stay visible, raw, to every "
+                    "later query (streaming's sinks; cca's, SPEC 6, 0 = the paper's CCA) "
                     "(default: the checkpoint's)")
 
 
