@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from cca_jax.checkpoint import LazyArray, save_pretrained
-from cca_jax.blocks import ATTENTION_KINDS
+from cca_jax.blocks import ATTENTION_KINDS, default_sink_tokens
 from cca_jax.config import AttentionConfig, LlamaConfig, hf_weights_dtype, read_hf_config
 from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check_output_dir,
                            copy_tokenizer_files, open_hf_weights, progress_bar, run_cli,
@@ -201,8 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CCA local window s, or the sliding / streaming window W (default: "
                     f"the checkpoint's, else {defaults.window_size})")
     ap.add_argument("--sink-tokens", type=int, default=None, metavar="N",
-                    help="streaming's attention sinks N (default: the checkpoint's, else "
-                    f"{defaults.sink_tokens})")
+                    help="attention sinks N, the first tokens every later query sees raw: "
+                    "streaming's, or cca's (SPEC 6) (default: the checkpoint's, else "
+                    f"{default_sink_tokens('streaming')} for streaming, "
+                    f"{default_sink_tokens('cca')} for cca)")
     return ap
 
 
