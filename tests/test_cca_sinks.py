@@ -257,7 +257,8 @@ def test_naive_matches_the_reference_and_full_attention():
     naive = jax.jit(lambda q, k, v, **kw: cca_attention(q, k, v, implementation="naive",
                                                         segment_ids=seg, **kw),
                     static_argnames=("group_size", "window_size", "sink_tokens"))
-    ref, _ = _reference("one_sink_packed")
+    g, s, n = kw["group_size"], kw["window_size"], kw["sink_tokens"]
+    ref = _f64(lambda q, k, v: sinks_reference(q, k, v, g, s, n, seg), q, k, v)
     assert _max_err(naive(q, k, v, **kw), ref) < OUT_TOL
     full = _f64(lambda q, k, v: causal_reference(q, k, v, seg), q, k, v)
     for g, s, n in ((1, 3, 2), (4, 27, 2)):      # L = 29: s >= L - N
