@@ -296,7 +296,8 @@ def model_config(cfg: ExperimentConfig, attention: str):
                        max_position_embeddings=cfg.seq_len, dtype=cfg.dtype,
                        param_dtype=cfg.param_dtype, remat=cfg.remat)
     return base.replace(attention=attention, group_size=cfg.group_size,
-                        window_size=cfg.window_size, sink_tokens=cfg.sink_tokens,
+                        window_size=cfg.window_size,
+                        sink_tokens=cfg.sink_tokens if attention == "streaming" else None,
                         implementation=cfg.implementation)
 
 
