@@ -58,10 +58,14 @@ SPLIT_BYTES = 64 * 2**20
 MIN_CHUNK_BYTES = 2**20
 MAX_LEADING_CHUNKS = 256
 
-# orbax-checkpoint < 0.12.5: `NumpyHandler` has no `deepcopy_host_arrays` and its `serialize`
-# deep-copies every array it writes (see the module docstring).
-ORBAX_COPIES_LEAVES = "deepcopy_host_arrays" not in inspect.signature(
-    ocp.type_handlers.NumpyHandler.__init__).parameters
+
+def _numpy_handler_copies(handler_cls=ocp.type_handlers.NumpyHandler) -> bool:
+    """orbax-checkpoint < 0.12.5: `NumpyHandler` has no `deepcopy_host_arrays`, and its
+    `serialize` deep-copies every array it writes (see the module docstring)."""
+    return "deepcopy_host_arrays" not in inspect.signature(handler_cls.__init__).parameters
+
+
+ORBAX_COPIES_LEAVES = _numpy_handler_copies()
 
 
 # ---- writing -------------------------------------------------------------------------------
