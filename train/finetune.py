@@ -104,7 +104,11 @@ def check_run_dir(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     saved = out / RUN_CONFIG
     if saved.exists():
-        previous = TrainConfig(**json.loads(saved.read_text()))
+        try:
+            previous = TrainConfig(**json.loads(saved.read_text()))
+        except (TypeError, ValueError) as e:    # another version's settings, or edited
+            raise ValueError(f"{saved} is not a run config this version reads ({e}); use "
+                             "another --out.") from None
         differ = cfg.same_run(previous)
         if differ:
             raise ValueError(f"{out} holds a different run (settings {differ} differ); use "
@@ -308,6 +312,12 @@ def run(cfg: TrainConfig) -> dict:
                    disable=not multihost.is_main()) as bar):
             for step in range(start, cfg.steps):
                 batch = _device_batch(next(batches), cfg, batch_sharding3, sequence_sharding)
+                if step == start:
+                    train_step = train_step.lower(state, batch).compile()
+                    # Processes compile at different speeds (one may hit a compilation
+                    # cache); they start the step together: CPU (gloo) collectives give up
+                    # when a peer is 30 s late.
+                    multihost.barrier("step compiled")
                 state, metrics = train_step(state, batch)
                 if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -1,0 +1,110 @@
+"""Two processes of `python -m train.finetune` on localhost, with the default exports.
+
+Each process has 2 CPU devices (gloo collectives between them): a 2-step run, then the same
+command with `--steps 3` (every process restores the checkpoint), each ending with OUT/final
+and the Hugging Face export OUT/hf. One process with 4 devices runs the same 3 steps: the
+reference. (tests/test_train_sharded.py has a slow test of two processes over a sequence
+axis that crosses them.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = ["--preset", "tiny", "--seq-len", "64", "--save-every", "2"]
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def finetune(args: list[str], logs: Path, cache: Path, processes: int,
+             devices: int) -> list[tuple[int, str]]:
+    """`python -m train.finetune ARGS` as `processes` processes of `devices` CPU devices each;
+    [(exit status, output)] per process."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_COMPILATION_CACHE_DIR": str(cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    if processes > 1:
+        args = args + ["--coordinator", f"127.0.0.1:{_free_port()}",
+                       "--num-processes", str(processes)]
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(processes):
+        with open(logs / f"process{i}.log", "w") as log:   # files: no pipe fills up
+            ids = ["--process-id", str(i)] if processes > 1 else []
+            procs.append(subprocess.Popen([sys.executable, "-m", "train.finetune", *args, *ids],
+                                          env=env, cwd=REPO, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(code, (logs / f"process{i}.log").read_text()) for i, code in enumerate(codes)]
+
+
+def _ok(results):
+    assert [code for code, _ in results] == [0] * len(results), "\n\n".join(
+        log[-3000:] for _, log in results)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("multiprocess")
+    multi, single, cache = base / "multi", base / "single", base / "jax_cache"
+    for steps in (2, 3):
+        _ok(finetune(ARGS + ["--steps", str(steps), "--out", str(multi)],
+                     base / f"logs-multi-{steps}", cache, processes=2, devices=2))
+    _ok(finetune(ARGS + ["--steps", "3", "--out", str(single)], base / "logs-single", cache,
+                 processes=1, devices=4))
+    return multi, single
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.long
+def test_two_processes_finish_and_export_what_one_process_does(runs):
+    """Both processes exit 0 (process 0 used to restore the checkpoint for the Hugging Face
+    export alone, while process 1 waited at the end: both crashed), and OUT/hf gives the
+    logits of one process's export."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    multi, single = runs
+    ids = torch.tensor(np.random.default_rng(0).integers(0, 258, (2, 24)))
+    logits = []
+    for out in (multi, single):
+        model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits.numpy())
+    assert np.abs(logits[0]).max() > 0.1
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.long
+def test_two_processes_resume(runs):
+    """The `--steps 3` rerun restored step 2 in both processes: metrics continue (each step
+    once, the losses of one uninterrupted process), and the step-2 export is kept aside."""
+    multi, single = runs
+    got, want = _metrics(multi), _metrics(single)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    assert json.loads((multi / "final" / "trained_steps.json").read_text()) == {"step": 3}
+    assert json.loads((multi / "final-step2" / "trained_steps.json").read_text()) == {"step": 2}
+    assert (multi / "hf-step2" / "config.json").is_file()
