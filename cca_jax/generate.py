@@ -403,7 +403,8 @@ def add_attention_args(ap: argparse.ArgumentParser) -> None:
                     help="local window in tokens: CCA's s, sliding's and streaming's W "
                     "(default: the checkpoint's)")
     ap.add_argument("--sink-tokens", type=int, default=None, metavar="N",
-                    help="streaming's attention sinks: the first N tokens stay visible "
+                    help="attention sinks: the first N tokens stay visible, raw, to every "
+                    "later query (streaming's sinks; cca's, SPEC 6, 0 = the paper's CCA) "
                     "(default: the checkpoint's)")
 
 
