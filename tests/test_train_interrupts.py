@@ -73,47 +73,39 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def story(tmp_path_factory):
-    base = tmp_path_factory.mktemp("interrupts")
-    out, cache = base / "run", base / "jax_cache"
+@pytest.mark.long
+def test_ctrl_c_and_kills_at_points_the_test_picks(tmp_path):
+    """One test (a fixture shared by several could run once per xdist worker)."""
+    out, cache = tmp_path / "run", tmp_path / "jax_cache"
     args = ARGS + ["--out", str(out)]
-    seen = {"args": args, "out": out}
+
+    # 1. Killed just before its first checkpoint is saved: steps 1-2 logged, nothing saved.
     code, log = finetune(args, cache, "save 2", signal.SIGKILL)
     assert code == -signal.SIGKILL, log[-3000:]
-    seen["killed_before_save"] = _steps(out)
-    seen["sigint"] = finetune(args, cache, "step 3", signal.SIGINT)
-    seen["after_sigint"] = _steps(out)
-    code, log = finetune(args, cache, "export", signal.SIGKILL)
-    assert code == -signal.SIGKILL, log[-3000:]
-    seen["killed_in_export"] = sorted(p.name for p in out.iterdir())
-    seen["last"] = finetune(args, cache)
-    return seen
+    assert _steps(out) == [1, 2]
 
-
-def test_ctrl_c_exits_130_with_one_line_naming_checkpoint_and_command(story):
-    code, log = story["sigint"]
+    # 2. The same command starts over, cutting metrics.jsonl back to step 0 (steps 1-2 are
+    # logged once); Ctrl-C after step 3 exits 130 with one line: the last complete
+    # checkpoint (step 2, saved meanwhile) and the command that resumes from it.
+    code, log = finetune(args, cache, "step 3", signal.SIGINT)
     assert code == 130, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     last = log.strip().splitlines()[-1]
     head, _, command = last.partition("; resume from it with: ")
-    assert head == f"interrupted: the last complete checkpoint is step 2 of {story['out']}", last
-    assert shlex.split(command) == ["python", "-m", "train.finetune", *story["args"]], last
+    assert head == f"interrupted: the last complete checkpoint is step 2 of {out}", last
+    assert shlex.split(command) == ["python", "-m", "train.finetune", *args], last
+    assert _steps(out) == [1, 2, 3]
 
+    # 3. Resumed from step 2, killed in the final export: OUT/final is complete but not yet
+    # in place, so no partial export sits under a final name.
+    code, log = finetune(args, cache, "export", signal.SIGKILL)
+    assert code == -signal.SIGKILL, log[-3000:]
+    assert not (out / "final").exists()
 
-def test_kill_before_the_first_checkpoint_leaves_no_duplicate_metrics(story):
-    assert story["killed_before_save"] == [1, 2]    # logged, never saved
-    assert story["after_sigint"] == [1, 2, 3]       # the rerun started over: 1-2 once
-    code, log = story["last"]
+    # 4. The same command exports again: one export of step 4, nothing set aside.
+    code, log = finetune(args, cache)
     assert code == 0, log[-3000:]
-    assert _steps(story["out"]) == [1, 2, 3, 4]
-
-
-def test_kill_during_the_final_export_keeps_no_partial_export(story):
-    out = story["out"]
-    assert "final" not in story["killed_in_export"]     # not in place until complete
-    code, log = story["last"]
-    assert code == 0, log[-3000:]
+    assert _steps(out) == [1, 2, 3, 4]
     assert json.loads((out / "final" / "trained_steps.json").read_text()) == {"step": 4}
     assert sorted(p.name for p in out.iterdir()) == [
         "checkpoints", "data_cache", "final", "hf", "metrics.jsonl", "run_config.json"]

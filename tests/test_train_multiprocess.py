@@ -63,48 +63,40 @@ def _ok(results):
         log[-3000:] for _, log in results)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("multiprocess")
-    multi, single, cache = base / "multi", base / "single", base / "jax_cache"
-    for steps in (2, 3):
-        _ok(finetune(ARGS + ["--steps", str(steps), "--out", str(multi)],
-                     base / f"logs-multi-{steps}", cache, processes=2, devices=2))
-    _ok(finetune(ARGS + ["--steps", "3", "--out", str(single)], base / "logs-single", cache,
-                 processes=1, devices=4))
-    return multi, single
-
-
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.long
-def test_two_processes_finish_and_export_what_one_process_does(runs):
-    """Both processes exit 0 (process 0 used to restore the checkpoint for the Hugging Face
-    export alone, while process 1 waited at the end: both crashed), and OUT/hf gives the
-    logits of one process's export."""
-    transformers = pytest.importorskip("transformers")
+def _hf_logits(hf: Path) -> np.ndarray:
     import torch
-    multi, single = runs
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
     ids = torch.tensor(np.random.default_rng(0).integers(0, 258, (2, 24)))
-    logits = []
-    for out in (multi, single):
-        model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
-        with torch.no_grad():
-            logits.append(model(ids).logits.numpy())
-    assert np.abs(logits[0]).max() > 0.1
-    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        return model(ids).logits.numpy()
 
 
 @pytest.mark.long
-def test_two_processes_resume(runs):
-    """The `--steps 3` rerun restored step 2 in both processes: metrics continue (each step
-    once, the losses of one uninterrupted process), and the step-2 export is kept aside."""
-    multi, single = runs
-    got, want = _metrics(multi), _metrics(single)
-    assert [r["step"] for r in got] == [1, 2, 3]
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+def test_two_processes_finish_export_and_resume(tmp_path):
+    """One test (a fixture shared by several could run once per xdist worker)."""
+    pytest.importorskip("transformers")
+    multi, single, cache = tmp_path / "multi", tmp_path / "single", tmp_path / "jax_cache"
+    # Both processes exit 0: process 0 used to restore the checkpoint for the Hugging Face
+    # export alone, while process 1 waited at the end of the run, and both crashed.
+    for steps in (2, 3):
+        _ok(finetune(ARGS + ["--steps", str(steps), "--out", str(multi)],
+                     tmp_path / f"logs-multi-{steps}", cache, processes=2, devices=2))
+    _ok(finetune(ARGS + ["--steps", "3", "--out", str(single)], tmp_path / "logs-single",
+                 cache, processes=1, devices=4))
+    # OUT/hf gives the logits of one process's export.
+    got, want = _hf_logits(multi / "hf"), _hf_logits(single / "hf")
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # The --steps 3 rerun restored step 2 in both processes: each step logged once, with the
+    # losses of one uninterrupted process; the step-2 export is kept aside.
+    assert [r["step"] for r in _metrics(multi)] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in _metrics(multi)],
+                               [r["loss"] for r in _metrics(single)], rtol=1e-5)
     assert json.loads((multi / "final" / "trained_steps.json").read_text()) == {"step": 3}
     assert json.loads((multi / "final-step2" / "trained_steps.json").read_text()) == {"step": 2}
     assert (multi / "hf-step2" / "config.json").is_file()
