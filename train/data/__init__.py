@@ -2,6 +2,7 @@
 
     tok = make_tokenizer(checkpoint_dir)            # None -> bytes (vocab 258)
     check_vocab(tok, config.vocab_size)
+    check_source(source, cache_dir=...)             # every check of the source, nothing written
     it = make_batches("tfds:pg19:train" | "path/to/file.jsonl" | "builtin", tok,
                       seq_len=8192, batch_size=1, seed=0, data_dir=..., cache_dir=...)
     batch = next(it)      # dict of [batch, seq_len] numpy arrays: input_ids, targets,
