@@ -75,7 +75,8 @@ def prepare(a) -> int:
     data = Path(a.data_dir)
     if not paths.book.exists():
         book = data / "pg19_10146.txt"
-        paths.book.write_text(strip_gutenberg(book.read_text(encoding="utf-8")))
+        paths.book.write_text(strip_gutenberg(book.read_text(encoding="utf-8"))
+                              [:exp.eval_book_chars])
     if not paths.kv_data.exists():
         shutil.copyfile(data / KV_DATA, paths.kv_data)
     setup.update(preset=a.preset, settings=dataclasses.asdict(exp),

@@ -35,6 +35,7 @@ class Experiment:
     short_context: int = 2048         # short-text perplexity (extension must not cost it)
     eval_contexts: tuple[int, ...] = (8192, 16384, 32768)
     eval_code_chars: int = 4_000_000  # held-out code text kept for perplexity (~1M tokens)
+    eval_book_chars: int | None = None  # None: the whole book
     passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     passkey_samples: int = 4
     passkey_batch: int = 4
@@ -71,7 +72,7 @@ PRESETS = {
     # The same chain at toy sizes (a 2-core CPU, minutes): checks the harness, not the model.
     "cpu": Experiment(seq_len=512, batch_size=2, steps=3, warmup_steps=1, save_every=2,
                       group_size=16, window_size=128, native_context=512, short_context=128,
-                      eval_contexts=(256, 512), eval_code_chars=40_000,
+                      eval_contexts=(256, 512), eval_code_chars=20_000, eval_book_chars=20_000,
                       passkey_depths=(0.0, 1.0), passkey_samples=1, passkey_batch=2,
                       kv_limit=1, kv_batch=1, efficiency_context=512,
                       doc_chars=100_000, corpus_max_chars=3_000_000, corpus_min_tokens=0),
