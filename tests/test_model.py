@@ -96,20 +96,18 @@ def test_bfloat16_parameters_and_float32_logits():
     """bf16 parameters and activations (the hidden states are bf16: a model that silently
     computed in float32 fails here), float32 logits, and per logit row within bf16 rounding
     of the float32 computation on the same (bf16-valued) weights: measured 2.1e-2 of the
-    row's spread, where full attention instead of cca moves rows by 1.45."""
+    row's spread (full attention instead of cca moves rows by 1.45)."""
     cfg = TINY.replace(dtype="bfloat16", param_dtype="bfloat16")
     model = build(cfg)
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
     x = ids()
-    assert model.hidden_states(x).dtype == jnp.bfloat16
+    assert jax.eval_shape(model.hidden_states, x).dtype == jnp.bfloat16
     logits = model(x)
     assert logits.dtype == jnp.float32
     ref = np.asarray(same_params(model, TINY)(x))  # float32 compute on the same (bf16) weights
     err = np.abs(np.asarray(logits) - ref).max(-1) / ref.std(-1)
     assert 0 < err.max() < 0.06, err.max()
-    full = np.asarray(same_params(model, TINY.replace(attention="full"))(x))
-    assert (np.abs(full - ref).max(-1) / ref.std(-1)).max() > 10 * err.max()
 
 
 def test_tied_embeddings_and_qkv_bias():
