@@ -93,7 +93,8 @@ class TrainConfig:
                                   unset=OWN)
     window_size: int | None = _opt(None, "cca / sliding / streaming: the local window in "
                                    "tokens", unset=OWN)
-    sink_tokens: int | None = _opt(None, "streaming: the first tokens every query sees",
+    sink_tokens: int | None = _opt(None, "streaming, cca: the first tokens every query "
+                                   "sees raw (attention sinks)",
                                    unset=OWN)
     implementation: str | None = _opt(None, "the attention backend",
                                       IMPLEMENTATION_CHOICES, OWN)

@@ -7,8 +7,8 @@
 
 Every subcommand takes `--ckpt`, the generate CLI's attention flags (`--attention`,
 `--group-size`, `--window-size`, `--sink-tokens`), `--dtype`, `--max-position-embeddings`,
-`--rope-theta` and `--json OUT`; it prints a markdown table, writes its results as JSON, and with `--plot
-PNG` draws them. Errors the user can fix print `error: ...` and exit with status 2.
+`--rope-theta` and `--json OUT`; it prints a markdown table, writes its results as JSON,
+and with `--plot PNG` draws them. Errors the user can fix print `error: ...` and exit with status 2.
 """
 
 from __future__ import annotations

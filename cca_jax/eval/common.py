@@ -51,11 +51,30 @@ def load_checkpoint_tokenizer(a):
     return tokenizer
 
 
+# Records before format 2 stored sink_tokens 4 for cca, which then had no sinks.
+ATTENTION_RECORD_FORMAT = 2
+
+
 def attention_record(cfg) -> dict[str, Any]:
     """The attention settings a result was measured with."""
     att = cfg.attention
     return {"attention": att.kind, "group_size": att.group_size,
-            "window_size": att.window_size, "sink_tokens": att.sink_tokens}
+            "window_size": att.window_size, "sink_tokens": att.sink_tokens,
+            "attention_format": ATTENTION_RECORD_FORMAT}
+
+
+def attention_label(rec: dict[str, Any]) -> str:
+    """A short name of an `attention_record` ("cca g=16 s=1024 N=4", "sliding W=1024")."""
+    kind = rec.get("attention")
+    if kind == "cca":
+        sinks = rec.get("sink_tokens") if rec.get("attention_format", 1) >= 2 else 0
+        return (f"cca g={rec['group_size']} s={rec['window_size']}"
+                + (f" N={sinks}" if sinks else ""))
+    if kind == "sliding":
+        return f"sliding W={rec['window_size']}"
+    if kind == "streaming":
+        return f"streaming N={rec['sink_tokens']} W={rec['window_size']}"
+    return str(kind)
 
 
 def environment(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cca_jax.eval.common import attention_label
+
 
 def _pyplot():
     import matplotlib
@@ -25,17 +27,6 @@ def _save(fig, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
-
-
-def _label(rec: dict[str, Any]) -> str:
-    kind = rec.get("attention")
-    if kind == "cca":
-        return f"cca g={rec['group_size']} s={rec['window_size']}"
-    if kind == "sliding":
-        return f"sliding W={rec['window_size']}"
-    if kind == "streaming":
-        return f"streaming N={rec['sink_tokens']} W={rec['window_size']}"
-    return str(kind)
 
 
 def _position_curve(ax, rec: dict[str, Any], first: int = 0, **style) -> None:
@@ -83,7 +74,8 @@ def plot_ppl(record: dict[str, Any], path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     unscored = _unscored_front(record)
-    _position_curve(ax, record, first=unscored[1] if unscored else 0, label=_label(record))
+    _position_curve(ax, record, first=unscored[1] if unscored else 0,
+                    label=attention_label(record))
     readable_log_y(ax, [b["ppl"] for b in record["by_position"] if b["ppl"]])
     ax.set(xlabel="position in window (tokens)", ylabel="perplexity (log scale)",
            title=f"perplexity by position (ppl {record['ppl']:.3g} over "
@@ -116,7 +108,8 @@ def plot_passkey(record: dict[str, Any], path) -> None:
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set(xlabel="prompt length (tokens)", ylabel="needle depth",
-           title=f"{record['task_kind']}: {_label(record)}\naccuracy {record['accuracy']:.2f}")
+           title=f"{record['task_kind']}: {attention_label(record)}\n"
+                 f"accuracy {record['accuracy']:.2f}")
     fig.colorbar(im, ax=ax, label="exact match")
     _save(fig, path)
 
@@ -138,7 +131,7 @@ def plot_mdqa(record: dict[str, Any], path) -> None:
         ax.set_xlim(min(x) - 0.7, max(x) + 0.7)
     ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax.set(xlabel="position of the gold document (0-based)", ylabel="accuracy", ylim=(0, 1.3),
-           title=f"{record['format']}: {_label(record)}\nn={record['examples']}, "
+           title=f"{record['format']}: {attention_label(record)}\nn={record['examples']}, "
                  f"accuracy {record['accuracy']:.2f}")
     _save(fig, path)
 
@@ -163,15 +156,15 @@ def plot_stories(result: dict[str, Any], path) -> None:
     bars.bar(x + 0.2, after, 0.4, label=f"fine-tuned ({result['train']['steps']} steps)")
     for xi, v in zip(np.r_[x - 0.2, x + 0.2], before + after):
         bars.text(xi, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
-    bars.set_xticks(x, [_label(recs[n]["swapped"]) for n in names], fontsize=8)
+    bars.set_xticks(x, [attention_label(recs[n]["swapped"]) for n in names], fontsize=8)
     bars.set(yscale="log", ylabel="perplexity (log)", title="held-out self-samples, 512 tokens")
     bars.legend(fontsize=8)
     for i, n in enumerate(names):
         color = f"C{i}"
         _position_curve(curve, recs[n]["swapped"], color=color, linestyle=":",
-                        label=f"{_label(recs[n]['swapped'])}, swapped")
+                        label=f"{attention_label(recs[n]['swapped'])}, swapped")
         _position_curve(curve, recs[n]["fine_tuned"], color=color,
-                        label=f"{_label(recs[n]['fine_tuned'])}, fine-tuned")
+                        label=f"{attention_label(recs[n]['fine_tuned'])}, fine-tuned")
     window = recs["cca"]["option"]["window_size"] if "cca" in recs else None
     if window:
         curve.axvline(window, color="grey", linewidth=0.8)

@@ -201,7 +201,8 @@ def read_text_tokens(a) -> np.ndarray:
 
 def run_ppl(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval ppl`: (JSON record with key `ppl`, markdown table)."""
-    from cca_jax.eval.common import attention_record, check_checkpoint, load_model
+    from cca_jax.eval.common import (attention_label, attention_record, check_checkpoint,
+                                     load_model)
     from cca_jax.generate import UsageError
 
     check_checkpoint(a.ckpt)
@@ -224,15 +225,8 @@ def run_ppl(a) -> tuple[dict[str, Any], str]:
     from cca_jax.eval.common import markdown_table
     table = markdown_table(
         ["attention", "seq_len", "stride", "windows", "scored tokens", "ppl"],
-        [[_describe(model.config), a.seq_len, a.stride or "-", result.windows,
-          result.scored_tokens, result.ppl]])
+        [[attention_label(attention_record(model.config)), a.seq_len, a.stride or "-",
+          result.windows, result.scored_tokens, result.ppl]])
     return record, table
 
 
-def _describe(cfg) -> str:
-    att = cfg.attention
-    return {"full": "full",
-            "cca": f"cca g={att.group_size} s={att.window_size}",
-            "sliding": f"sliding W={att.window_size}",
-            "streaming": f"streaming N={att.sink_tokens} W={att.window_size}"}.get(att.kind,
-                                                                                 att.kind)

@@ -1,4 +1,4 @@
-"""`python -m cca_jax.eval --rope-theta`: a model evaluated as extended, before fine-tuning."""
+"""The eval CLI: --rope-theta (a model evaluated as extended, before fine-tuning), labels."""
 
 from __future__ import annotations
 
@@ -30,3 +30,13 @@ def test_rope_theta_reaches_the_model(monkeypatch, tmp_path):
 def test_non_positive_rope_theta_is_refused(monkeypatch, tmp_path):
     with pytest.raises(UsageError, match="--rope-theta must be > 0"):
         _loaded_overrides(monkeypatch, tmp_path, "--rope-theta", "0")
+
+
+def test_labels_name_cca_sinks_and_read_old_records_as_plain_cca():
+    new = {"attention": "cca", "group_size": 16, "window_size": 1024, "sink_tokens": 4,
+           "attention_format": common.ATTENTION_RECORD_FORMAT}
+    assert common.attention_label(new) == "cca g=16 s=1024 N=4"
+    assert common.attention_label({**new, "sink_tokens": 0}) == "cca g=16 s=1024"
+    old = {k: v for k, v in new.items() if k != "attention_format"}
+    assert common.attention_label(old) == "cca g=16 s=1024"
+    assert common.attention_label({**old, "attention": "streaming"}) == "streaming N=4 W=1024"
