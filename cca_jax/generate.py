@@ -408,6 +408,13 @@ def add_attention_args(ap: argparse.ArgumentParser) -> None:
                     "(default: the checkpoint's)")
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that change how a checkpoint runs: its attention option and its dtype."""
+    add_attention_args(ap)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="parameter and activation dtype (default: the checkpoint's)")
+
+
 def attention_overrides(a) -> dict:
     """`from_pretrained` overrides from parsed attention flags (the ones given)."""
     return {k: getattr(a, k) for k in ATTENTION_FLAGS if getattr(a, k) is not None}
@@ -438,15 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "reaches P, 0 < P <= 1 (default: 1, all tokens)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling draws "
                     "(default: 0)")
-    add_attention_args(ap)
+    add_model_args(ap)
     ap.add_argument("--max-len", type=int, default=None, metavar="N",
                     help="KV cache capacity in tokens, prompt included (default: prompt + "
                     f"--max-new-tokens, rounded up to a multiple of {LENGTH_BUCKET})")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, metavar="N",
                     help="prefill chunk in tokens: memory is the cache plus one chunk "
                     f"(default: {DEFAULT_CHUNK_SIZE})")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="parameter and activation dtype (default: the checkpoint's)")
     return ap
 
 

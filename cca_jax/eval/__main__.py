@@ -17,16 +17,14 @@ import argparse
 import sys
 
 from cca_jax.eval import common
-from cca_jax.generate import UsageError, add_attention_args
+from cca_jax.generate import UsageError, add_model_args
 
 
 def _shared(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
                     "directory (convert.hf_to_flax output or a train.finetune export), with "
                     "its tokenizer (required)")
-    add_attention_args(ap)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="parameter and activation dtype (default: the checkpoint's)")
+    add_model_args(ap)
     ap.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
                     help="the model's context limit, raised to evaluate longer prompts "
                     "(default: the checkpoint's)")
