@@ -25,6 +25,17 @@ def plot_all(records: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def _save(fig, out: Path, suffix: str) -> Path:
+    """Write `fig` to `<out><suffix>.png` and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = out.with_name(out.name + suffix + ".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _ppl_by_position(records, out):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
@@ -55,11 +66,7 @@ def _ppl_by_position(records, out):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle("solid: fine-tuned; dashed: swapped in without training", fontsize=9)
-    fig.tight_layout()
-    path = out.with_name(out.name + "_ppl_position.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "_ppl_position")
 
 
 def _passkey(records, out):
@@ -69,7 +76,7 @@ def _passkey(records, out):
     rows = [r for r in records if r["metric"] == "passkey_acc" and r.get("by_depth")]
     if not rows:
         return None
-    variants = [v for v in dict.fromkeys(r["variant"] for r in rows)]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
     cols = min(4, len(variants))
     nrows = -(-len(variants) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.9 * nrows), squeeze=False)
@@ -88,11 +95,7 @@ def _passkey(records, out):
         ax.set_xlabel("context")
         ax.set_ylabel("depth")
     fig.suptitle("passkey retrieval accuracy by context and depth", fontsize=10)
-    fig.tight_layout()
-    path = out.with_name(out.name + "_passkey.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "_passkey")
 
 
 def _loss(records, out):
@@ -110,8 +113,4 @@ def _loss(records, out):
     ax.set_title("fine-tuning loss (same rows, same order)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out.with_name(out.name + "_loss.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "_loss")
