@@ -29,20 +29,22 @@ from cca_jax.blocks import visible_score_count  # noqa: E402
 
 
 def _cca(impl):
-    def run(q, k, v, g, s):
-        return cca_attention(q, k, v, group_size=g, window_size=s, implementation=impl)
+    def run(q, k, v, g, s, n):
+        return cca_attention(q, k, v, group_size=g, window_size=s, sink_tokens=n,
+                             implementation=impl)
     return run
 
 
 PALLAS_CONFIG: dict = {}   # KernelConfig overrides for cca_pallas_gpu (--pallas-config)
 
 
-def _cca_pallas_gpu(q, k, v, g, s):
+def _cca_pallas_gpu(q, k, v, g, s, n):
     from pallas_kernels.gpu import cca_attention_pallas_gpu
-    return cca_attention_pallas_gpu(q, k, v, group_size=g, window_size=s, **PALLAS_CONFIG)
+    return cca_attention_pallas_gpu(q, k, v, group_size=g, window_size=s, sink_tokens=n,
+                                    **PALLAS_CONFIG)
 
 
-def _full_cudnn(q, k, v, g, s):
+def _full_cudnn(q, k, v, g, s, n):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
@@ -58,12 +60,12 @@ def _memory_bytes(compiled) -> int | None:
                + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def bench_one(name, q, k, v, g, s, ct, iters):
+def bench_one(name, q, k, v, g, s, n, ct, iters):
     impl = IMPLS[name]
-    fwd = jax.jit(lambda q, k, v: impl(q, k, v, g, s))
+    fwd = jax.jit(lambda q, k, v: impl(q, k, v, g, s, n))
 
     def loss(q, k, v, ct):   # ct an argument: closed over it would be a 2 GiB HLO constant
-        return jnp.sum(impl(q, k, v, g, s).astype(jnp.float32) * ct)
+        return jnp.sum(impl(q, k, v, g, s, n).astype(jnp.float32) * ct)
 
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     rec = {}
@@ -90,6 +92,8 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--g", type=int, default=16)
     ap.add_argument("--s", type=int, default=1024)
+    ap.add_argument("--sink-tokens", type=int, default=0,
+                    help="CCA's raw sink tokens (SPEC 6); 0 is the paper's CCA")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/attention_h200")
     ap.add_argument("--pallas-config", default=None,
@@ -108,16 +112,18 @@ def main(argv=None):
             k = jax.random.normal(key[1], shape_kv, jnp.bfloat16)
             v = jax.random.normal(key[2], shape_kv, jnp.bfloat16)
             ct = jax.random.normal(key[3], shape_q, jnp.float32)
-            cca_scores = visible_score_count(length, args.g, args.s)
+            cca_scores = visible_score_count(length, args.g, args.s, args.sink_tokens)
             results = {}
             for name in impls:
                 scores = length * (length + 1) // 2 if name.startswith("full") else cca_scores
                 flops = 4 * scores * args.d * args.hq
                 rec = {"impl": name, "L": length, "hq": args.hq, "hkv": hkv, "d": args.d,
-                       "g": args.g, "s": args.s, "b": 1, "dtype": "bfloat16", "max_err": None}
+                       "g": args.g, "s": args.s,
+                       "sink_tokens": 0 if name.startswith("full") else args.sink_tokens,
+                       "b": 1, "dtype": "bfloat16", "max_err": None}
                 try:
-                    timing, out, grads = bench_one(name, q, k, v, args.g, args.s, ct,
-                                                   args.iters)
+                    timing, out, grads = bench_one(name, q, k, v, args.g, args.s,
+                                                   args.sink_tokens, ct, args.iters)
                 except Exception as e:  # record and go on: one failure must not lose the rest
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(f"{name} L={length} hkv={hkv}: {rec['error']}", flush=True)
@@ -169,7 +175,8 @@ def write_results(records, args, argv, quiet=False):
     lines = [f"# Attention benchmark ({meta['device']}, jax {meta['jax']}, {meta['date']})", "",
              f"Command: `{meta['command']}`" + (f" with `XLA_FLAGS={meta['xla_flags']}`"
                                                 if meta["xla_flags"] else ""), "",
-             "B=1, bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd); "
+             f"B=1, D={args.d}, g={args.g}, s={args.s}, CCA sink tokens {args.sink_tokens}, "
+             "bf16, causal. TFLOP/s count only visible scores (fwd+bwd = 3.5x fwd); "
              "x cuDNN = full_cudnn time / this time, same shape, same run; errors against "
              "cca_xla (output: max abs and relative L2; gradients of q, k, v: largest relative "
              "L2).", "",
