@@ -118,6 +118,33 @@ def targets(records: list[dict], long: int, short: int) -> list[str]:
           None if None in (ta, tb) else tb >= 2 * ta,
           f"cca_ft {_fmt('train_tokens_per_s', tb)}, full_ft {_fmt('train_tokens_per_s', ta)}"
           + (f", {tb / ta:.2f}x" if None not in (ta, tb) else ""))
+    out += _sink_targets(get, long, short)
+    return out
+
+
+def _sink_targets(get, long: int, short: int) -> list[str]:
+    """CCA with sinks (SPEC 6): swapped in near full attention; fine-tuned no worse than CCA."""
+    out = []
+
+    def claim(text: str, ok: bool | None, detail: str) -> None:
+        mark = {True: "met", False: "MISSED", None: "not measured yet"}[ok]
+        out.append(f"- {text}: **{mark}** ({detail})")
+
+    m = "ppl_book"
+    full, sinks = get("full_swap", m, short), get("cca_sinks_swap", m, short)
+    claim(f"cca_sinks_swap {m} at {short} within 10% of full_swap's (both at the raised theta)",
+          None if None in (full, sinks) else sinks <= 1.1 * full,
+          f"cca_sinks_swap {_fmt(m, sinks)}, full_swap {_fmt(m, full)}"
+          + (f", ratio {sinks / full:.3f}" if None not in (full, sinks) else ""))
+    for m in ("ppl_code", "ppl_book"):
+        plain, sinks = get("cca_ft", m), get("cca_sinks_ft", m)
+        claim(f"cca_sinks_ft {m} at {long} at or below cca_ft's",
+              None if None in (plain, sinks) else sinks <= plain,
+              f"cca_sinks_ft {_fmt(m, sinks)}, cca_ft {_fmt(m, plain)}")
+    plain, sinks = get("cca_ft", "passkey_acc"), get("cca_sinks_ft", "passkey_acc")
+    claim(f"cca_sinks_ft passkey at {long} no worse than cca_ft's",
+          None if None in (plain, sinks) else sinks >= plain,
+          f"cca_sinks_ft {_fmt('passkey_acc', sinks)}, cca_ft {_fmt('passkey_acc', plain)}")
     return out
 
 
