@@ -129,7 +129,7 @@ class Runner:
                   "--batch-size", str(e.batch_size), "--no-document-mask",
                   "--rope-theta", str(e.rope_theta), "--dtype", e.dtype,
                   "--param-dtype", e.param_dtype, "--trainable", v.trainable,
-                  *e.option_flags(v.option), "--lr", str(e.lr),
+                  *e.option_flags(v.option), "--lr", str(e.lr if v.lr is None else v.lr),
                   "--warmup-steps", str(e.warmup_steps), "--steps", str(e.steps),
                   "--save-every", str(e.save_every), "--seed", str(e.seed),
                   "--out", str(out)], f"{v.name}_train")

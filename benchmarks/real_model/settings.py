@@ -86,12 +86,15 @@ class Variant:
     option: a key of `Experiment.option_flags` (None: the checkpoint's own, full attention).
     trainable: None (no fine-tuning) or train.finetune's --trainable.
     native: the original model as published (its own RoPE theta, at its own context).
+    lr: a learning rate other than the experiment's (the sweep that asks whether the budget's
+    rate, not CCA, limits a fine-tune); None: `Experiment.lr`.
     """
 
     name: str
     option: str | None
     trainable: str | None = None
     native: bool = False
+    lr: float | None = None
 
     @property
     def fine_tuned(self) -> bool:
@@ -111,4 +114,6 @@ VARIANTS = {v.name: v for v in (
     Variant("cca_sinks_ft", "cca_sinks", "all"),
     Variant("sliding_ft", "sliding", "all"),
     Variant("streaming_ft", "streaming", "all"),
+    Variant("cca_ft_lr3e-5", "cca", "all", lr=3e-5),
+    Variant("cca_ft_lr3e-4", "cca", "all", lr=3e-4),
 )}
