@@ -39,7 +39,7 @@ PALLAS_CONFIG: dict = {}   # KernelConfig overrides for cca_pallas_gpu (--pallas
 
 
 def _cca_pallas_gpu(q, k, v, g, s, n):
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
     return cca_attention_pallas_gpu(q, k, v, group_size=g, window_size=s, sink_tokens=n,
                                     **PALLAS_CONFIG)
 

@@ -31,7 +31,8 @@ from cca_jax.attention import cca_attention_xla  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 from cca_jax.padding import softmax_delta  # noqa: E402
-from pallas_kernels.gpu import cca_attention_pallas_gpu, kernel_config  # noqa: E402
+from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import kernel_config  # noqa: E402
 from pallas_kernels.gpu import kernels as K  # noqa: E402
 
 T0 = time.time()

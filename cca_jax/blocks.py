@@ -700,25 +700,23 @@ def slot_block_visits(core_lo, core_hi, num_slots: int, block_c: int, block_q: i
     return jnp.stack(visits, axis=-1).astype(jnp.int32)
 
 
-def query_block_steps(pattern: AttentionPattern, length: int, padded_len: int, block_q: int,
-                      block_k: int, num_slot_blocks: int) -> tuple[int, int]:
+def query_block_steps(width: int, padded_len: int, block_q: int, block_k: int,
+                      num_slot_blocks: int) -> tuple[int, int]:
     """Static `(raw, slot)` bounds on the blocks any query block visits, packed or not.
 
-    Raw: every row sees at most `W = widest_window` keys inside its document, so
-    `raw_lo(t) >= t - W + 1` (padded rows see only themselves); slots: all slot blocks.
+    Raw: every row sees at most `width` keys inside its document (`widest_window` of the
+    option), so `raw_lo(t) >= t - width + 1` (padded rows see only themselves); slots: all
+    slot blocks.
     """
-    width = widest_window(pattern, length)
     r0 = np.arange(padded_len // block_q) * block_q
     r1 = r0 + block_q - 1
     first = np.maximum(r0 - width + 1, 0) // block_k
     return int(np.max(r1 // block_k - first + 1)), int(num_slot_blocks)
 
 
-def key_block_steps(pattern: AttentionPattern, length: int, padded_len: int, block_k: int,
-                    block_q: int) -> int:
+def key_block_steps(width: int, padded_len: int, block_k: int, block_q: int) -> int:
     """Static bound on the query blocks that see one raw key block: key `u` is seen by rows
-    `u .. u + W - 1` at most (`W = widest_window`)."""
-    width = widest_window(pattern, length)
+    `u .. u + width - 1` at most (`width`: `widest_window` of the option)."""
     nq = padded_len // block_q
     x0 = np.arange(padded_len // block_k) * block_k
     last = np.minimum((x0 + block_k - 1 + width - 1) // block_q, nq - 1)

@@ -457,8 +457,9 @@ def test_visit_tables_cover_exactly_the_visible_blocks(pattern, length, packed, 
     c = np.arange(slots)
     core = (c >= core_lo[..., None]) & (c < core_hi[..., None])
     nq, nk, nc = padded // bq, padded // bk, slots // bc
-    raw_steps, core_steps = blocks.query_block_steps(pattern, length, padded, bq, bk, nc)
-    key_steps = blocks.key_block_steps(pattern, length, padded, bk, bq)
+    width = blocks.widest_window(pattern, length)
+    raw_steps, core_steps = blocks.query_block_steps(width, padded, bq, bk, nc)
+    key_steps = blocks.key_block_steps(width, padded, bk, bq)
     fwd = blocks.query_block_visits(raw_lo, core_lo, core_hi, bq, bk, bc)
     traced = blocks.query_block_visits(*map(jnp.asarray, (raw_lo, core_lo, core_hi)), bq, bk, bc)
     np.testing.assert_array_equal(np.asarray(traced), fwd)
@@ -490,8 +491,9 @@ def test_visit_steps_at_paper_sizes():
     key block is seen by at most 4 query blocks."""
     pattern, length = blocks.cca_pattern(16, 1024), 131072
     nc = -(-pattern.max_slots(length) // 512)
-    assert blocks.query_block_steps(pattern, length, length, 512, 512, nc) == (4, 16)
-    assert blocks.key_block_steps(pattern, length, length, 512, 512) == 4
+    width = blocks.widest_window(pattern, length)
+    assert blocks.query_block_steps(width, length, 512, 512, nc) == (4, 16)
+    assert blocks.key_block_steps(width, length, 512, 512) == 4
 
 
 @pytest.mark.parametrize("pattern", DECODE_PATTERNS, ids=lambda p: p.kind)

@@ -317,7 +317,7 @@ def test_zero_sinks_is_the_papers_cca_bit_for_bit():
     (interpret mode) and the TPU kernels, so equal bits on every backend. (Against the code
     before sinks existed the outputs were compared once, bit for bit, on all these paths,
     sequence sharding and the KV cache included.) The bounds are SPEC 2's formulas."""
-    from pallas_kernels.tpu import cca_attention_pallas_tpu
+    from cca_jax.attention.pallas_tpu import cca_attention_pallas_tpu
     (q, k, v, ct, seg), _ = _case("n_above_s_packed", d=64)
     kw = dict(group_size=3, window_size=5, segment_ids=seg)
     entries = {impl: functools.partial(cca_attention, implementation=impl)
@@ -352,7 +352,7 @@ def test_zero_sinks_is_the_papers_cca_bit_for_bit():
 def test_pallas_gpu_kernels_interpret():
     """The Triton-lowered kernels (forward, dq, dk/dv, dcore) in interpret mode on a packed
     case with N > s: outputs and gradients against the float64 reference."""
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
     (q, k, v, ct, seg), kw = _case("n_above_s_packed", d=64)
     g, s, n = kw["group_size"], kw["window_size"], kw["sink_tokens"]
     ref, ref_grads = _f64(_out_and_grads(
@@ -373,7 +373,7 @@ def _tpu_case(grads: bool):
     N = 9 > s = 7, one packed row and one plain."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_kernels.tpu import cca_attention_pallas_tpu
+    from cca_jax.attention.pallas_tpu import cca_attention_pallas_tpu
     strict = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                    uninitialized_memory="nan")
     q, k, v, ct = _inputs(2, 150, 2, 1, 128, seed=5)
@@ -633,7 +633,7 @@ def test_gpu_kernels_match_the_reference(dtype, packed):
     """The compiled Triton kernels (default tiling) with N = 4, g = 16, s = 256 at L = 2048
     against the float64 reference: relative L2 errors of the output and gradients (the
     tolerances of tests/test_pallas_gpu.py's plain CCA)."""
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
     q, k, v, ct, seg = _gpu_case(2048, packed, dtype)
     kw = dict(group_size=16, window_size=256, sink_tokens=4)
     out, grads = jax.jit(_out_and_grads(functools.partial(

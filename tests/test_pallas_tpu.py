@@ -22,8 +22,9 @@ from cca_jax import blocks
 from cca_jax.attention import resolve_implementation, run_attention
 from cca_jax.blocks import AttentionPattern, cca_pattern
 from cca_jax.decode import cached_attention
-from pallas_kernels.tpu import (attention_pallas_tpu, blocked_attention_pallas_tpu,
-                                decode_attention_pallas_tpu, kernel_config)
+from cca_jax.attention.pallas_tpu import attention_pallas_tpu
+from pallas_kernels.tpu import (blocked_attention_pallas_tpu, decode_attention_pallas_tpu,
+                                kernel_config)
 
 STRICT = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                uninitialized_memory="nan")

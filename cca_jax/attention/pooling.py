@@ -74,7 +74,13 @@ def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]`. `group_start` `[B, m]` (from
     `blocks.pattern_ranges`) places groups inside packed documents; None = plain groups.
     A group of one token is that token whatever the pooling (streaming's sinks, CCA g = 1).
+    Runs under `jax.named_scope("pooling")`.
     """
+    with jax.named_scope("pooling"):
+        return _pool_core_tokens(q, k, v, group_size, num_groups, pooling, group_start)
+
+
+def _pool_core_tokens(q, k, v, group_size: int, num_groups: int, pooling: str, group_start):
     b, _, hq, d = q.shape
     hkv = k.shape[2]
     if num_groups == 0:

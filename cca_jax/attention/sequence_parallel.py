@@ -71,7 +71,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from cca_jax.attention.pooling import pool_pattern_slots
-from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
+from cca_jax.attention.backends import blocked_backend
+from cca_jax.attention.checks import check_inputs, check_option
 from cca_jax.attention.xla import default_blocking
 from cca_jax.blocks import AttentionPattern, pattern_ranges, slot_ends_bound, widest_window
 from cca_jax.sharding import LOGICAL_RULES
@@ -341,19 +342,14 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (global arrays); segment_ids: optional
     `[B, L]` ints (packed documents). Batch is split over the mesh axes of
     `LOGICAL_RULES["batch"]` and heads over `LOGICAL_RULES["heads"]` where they divide it
-    (else replicated); the sequence over `axis`. layout: "natural" or "zigzag" (rows already
-    in `zigzag_permutation` order, output likewise; needs zigzag=True). implementation: what
-    each chunk runs (`attention.blocked.blocked_implementation`; "auto": the Pallas kernels
-    on GPU / TPU). Returns `[B, L, Hq, D]` in q's dtype, in the rows' layout.
+    (else replicated); the sequence over `axis`. layout: "natural" or
+    "zigzag" (rows already in `zigzag_permutation` order, output likewise; needs
+    zigzag=True). implementation: what each chunk runs (`backends.blocked_backend`; "auto":
+    the Pallas kernels on GPU / TPU). Returns `[B, L, Hq, D]` in q's dtype, in the rows'
+    layout.
     """
-    from cca_jax.attention import _check_inputs   # lazy: the package may import this module
-    from cca_jax.attention.pooling import POOLING_FNS
-
-    _check_inputs(q, k, v, segment_ids)
-    if not isinstance(pattern, AttentionPattern):
-        raise ValueError(f"pattern must be a blocks.AttentionPattern, got {pattern!r}.")
-    if pooling not in POOLING_FNS:
-        raise ValueError(f"pooling must be one of {sorted(POOLING_FNS)}, got {pooling!r}.")
+    check_inputs(q, k, v, segment_ids)
+    check_option(pattern, pooling)
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis not in mesh.shape:
@@ -375,11 +371,10 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     seg_spec = PartitionSpec(batch, axis)
     # check_vma=False: blocked_attention's loops start from unsharded zeros (an invariant
     # carry that the body makes varying); the per-shard program is the same either way.
-    name = blocked_implementation(implementation, pattern=pattern, head_dim=q.shape[-1],
-                                  dtype=q.dtype)
+    backend = blocked_backend(implementation, pattern, head_dim=q.shape[-1], dtype=q.dtype)
     body = functools.partial(_shard, pattern=pattern, pooling=pooling, lay=lay, axis=axis,
                              zigzag=zigzag, natural=layout == "natural",
-                             blocked=BLOCKED_IMPLEMENTATIONS[name])
+                             blocked=backend.blocked)
     if segment_ids is None:
         fn = jax.shard_map(lambda q_, k_, v_: body(q_, k_, v_, None), mesh=mesh,
                            in_specs=(x_spec, x_spec, x_spec), out_specs=x_spec,
