@@ -72,7 +72,7 @@ def _programs(shape_name: str, tiling: dict):
     """kernel -> (function, argument ShapeDtypeStructs without sharding); `tiling`:
     KernelConfig overrides."""
     b, length, hq, hkv, d, g, s, packed, decode_batch = SHAPES[shape_name]
-    pattern = blocks.cca_pattern(g, s)
+    pattern = blocks.CCA(g, s)
     bf16 = jnp.bfloat16
     q = jax.ShapeDtypeStruct((b, length, hq, d), bf16)
     kv = jax.ShapeDtypeStruct((b, length, hkv, d), bf16)

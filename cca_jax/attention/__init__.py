@@ -28,7 +28,7 @@ from cca_jax.attention.naive import attention_naive, cca_attention_naive
 from cca_jax.attention.pooling import pool_core_tokens
 from cca_jax.attention.sequence_parallel import SequenceSharding, sequence_sharded_attention
 from cca_jax.attention.xla import attention_xla, cca_attention_xla
-from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.blocks import CCA, AttentionPattern
 
 __all__ = ["run_attention", "cca_attention", "attention_naive", "attention_xla",
            "cca_attention_naive", "cca_attention_xla", "pool_core_tokens",
@@ -107,6 +107,6 @@ def cca_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, group_size: int,
     core tokens of their own document only, sinks and groups counted from its start.
     Returns `[B, L, Hq, D]` in the dtype of q.
     """
-    pattern = cca_pattern(group_size, window_size, sink_tokens)   # validates (Python ints)
+    pattern = CCA(group_size, window_size, sink_tokens)   # validates (Python ints)
     return run_attention(q, k, v, pattern, pooling=pooling, implementation=implementation,
                          segment_ids=segment_ids)

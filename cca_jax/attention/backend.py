@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern
 
 ENTRIES = ("attention", "blocked", "decode")
-ALL_KINDS = frozenset(ATTENTION_KINDS)
+ALL_OPTIONS = tuple(ATTENTION_KINDS.values())
 
 
 def platform_name(platform: str) -> str:
@@ -40,8 +40,8 @@ class Backend:
     name: its `implementation=` string. platforms: jax backends it runs compiled on (None:
     every one); `auto` only picks it there. interprets_on_cpu: it also runs on the CPU
     backend through an interpreter (tests; never picked by `auto`). where: those platforms in
-    words, for errors. entries: its entry points (`ENTRIES`). kinds: the attention options it
-    computes.
+    words, for errors. entries: its entry points (`ENTRIES`). options: the attention option
+    types it computes.
     """
 
     name: str
@@ -49,7 +49,7 @@ class Backend:
     where: str
     entries: frozenset[str]
     interprets_on_cpu: bool = False
-    kinds: frozenset[str] = ALL_KINDS
+    options: tuple[type[AttentionPattern], ...] = ALL_OPTIONS
 
     def supports(self, option: AttentionPattern, platform: str, dtype, head_dim: int,
                  packed: bool, entry: str = "attention") -> str | None:
@@ -62,9 +62,9 @@ class Backend:
             raise ValueError(f"entry must be one of {ENTRIES}, got {entry!r}.")
         if entry not in self.entries:
             return f"it has no {entry} entry (it has {sorted(self.entries)})"
-        if option.kind not in self.kinds:
+        if type(option) not in self.options:
             return (f"it does not compute attention={option.kind!r}; it takes "
-                    f"{sorted(self.kinds)}")
+                    f"{sorted(o.kind for o in self.options)}")
         platform = platform_name(platform)
         if not self.runs_on(platform):
             return f"it runs on {self.where}, not on the {platform!r} backend"

@@ -27,7 +27,7 @@ from cca_jax.attention.naive import NAIVE
 from cca_jax.attention.pallas_gpu import PALLAS_GPU
 from cca_jax.attention.pallas_tpu import PALLAS_TPU
 from cca_jax.attention.xla import XLA
-from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.blocks import CCA, AttentionPattern
 
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType(
     {b.name: b for b in (NAIVE, XLA, PALLAS_GPU, CUDNN, PALLAS_TPU)})
@@ -57,7 +57,7 @@ def resolve(implementation: str, option: AttentionPattern | None = None, *,
     if implementation not in IMPLEMENTATION_CHOICES:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATION_CHOICES}, got {implementation!r}.")
-    option = cca_pattern(16, 1024) if option is None else option
+    option = CCA(16, 1024) if option is None else option
     platform = platform_name(platform or jax.default_backend())
     if implementation != "auto":
         backend = BACKENDS[implementation]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.attention.backend import Backend
+from cca_jax.blocks import Full, Sliding
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -24,10 +25,10 @@ class CudnnBackend(Backend):
         return None
 
     def _attention(self, q, k, v, pattern, *, pooling, segment_ids):
-        window = None if pattern.kind == "full" else (pattern.window_size - 1, 0)
+        window = None if isinstance(pattern, Full) else (pattern.window_size - 1, 0)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
                                             implementation="cudnn")
 
 
 CUDNN = CudnnBackend("cudnn", ("gpu",), "an NVIDIA GPU", frozenset({"attention"}),
-                     kinds=frozenset({"full", "sliding"}))
+                     options=(Full, Sliding))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.attention.backend import Backend
-from cca_jax.blocks import AttentionPattern, cca_pattern, completed_slot, document_starts
+from cca_jax.blocks import CCA, AttentionPattern, completed_slot, document_starts
 
 # The dense path refuses lengths where its L x L float32 masks and logits would not fit.
 NAIVE_MAX_LEN = 16384
@@ -89,7 +89,7 @@ def attention_naive(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
 def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, sink_tokens: int = 0,
                         pooling: str = "cca", segment_ids=None):
     """CCA attention by dense masks; same signature and result as `cca_attention`."""
-    return attention_naive(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return attention_naive(q, k, v, CCA(group_size, window_size, sink_tokens),
                            pooling=pooling, segment_ids=segment_ids)
 
 

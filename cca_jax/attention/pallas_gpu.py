@@ -11,7 +11,7 @@ from __future__ import annotations
 from cca_jax import blocks
 from cca_jax.attention.backend import Backend
 from cca_jax.attention.pooling import slots_and_bounds
-from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.blocks import CCA, AttentionPattern
 
 # Head dims the decode step runs the decode kernel for (the kernel takes more, see
 # `pallas_kernels.gpu.SUPPORTED_DECODE_HEAD_DIMS`; the XLA form serves the others).
@@ -45,7 +45,7 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
     the result of `cca_attention`. D in (64, 128). `tiling`: KernelConfig field overrides
     (block_q, block_k, num_warps, num_stages tile the forward kernel; dq_block_q,
     dkv_block_k, ... the backward ones)."""
-    return attention_pallas_gpu(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return attention_pallas_gpu(q, k, v, CCA(group_size, window_size, sink_tokens),
                                 pooling=pooling, segment_ids=segment_ids, interpret=interpret,
                                 **tiling)
 

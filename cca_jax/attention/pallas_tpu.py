@@ -11,7 +11,7 @@ from __future__ import annotations
 from cca_jax import blocks
 from cca_jax.attention.backend import Backend
 from cca_jax.attention.pooling import slots_and_bounds
-from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.blocks import CCA, AttentionPattern
 
 # Head dims the decode step runs the decode kernel for; on a TPU also a multiple of the
 # 128 lanes (padding would copy the cache every step).
@@ -36,7 +36,7 @@ def cca_attention_pallas_tpu(q, k, v, *, group_size: int, window_size: int,
                              interpret=None, **tiling):
     """CCA attention (SPEC.md; `sink_tokens`: section 6) through the TPU kernels; the
     result of `cca_attention`."""
-    return attention_pallas_tpu(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return attention_pallas_tpu(q, k, v, CCA(group_size, window_size, sink_tokens),
                                 pooling=pooling, segment_ids=segment_ids,
                                 interpret=interpret, **tiling)
 

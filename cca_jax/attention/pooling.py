@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import AttentionPattern, cca_pattern, pattern_ranges
+from cca_jax.blocks import CCA, AttentionPattern, pattern_ranges
 
 
 def group_members(x: jax.Array, group_start: jax.Array | None, num_groups: int,
@@ -177,5 +177,5 @@ def slots_and_bounds(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca"
 def core_tokens_and_bounds(q, k, v, *, group_size: int, window_size: int, pooling: str,
                            segment_ids=None, sink_tokens: int = 0):
     """`slots_and_bounds` for CCA with group `g`, window `s` and `N` sinks."""
-    return slots_and_bounds(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return slots_and_bounds(q, k, v, CCA(group_size, window_size, sink_tokens),
                             pooling=pooling, segment_ids=segment_ids)
