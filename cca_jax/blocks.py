@@ -2,8 +2,8 @@
 
 An attention option is an `AttentionPattern`: one of the frozen types `Full`, `Sliding`,
 `Streaming` and `CCA`, each holding its rule below (`parse_option` builds one from a kind
-string: the one parse of CLI and config strings). Inside one document (a row, or a maximal run of
-equal `segment_ids` in a packed row), a query at in-document position `p` sees
+string: the one parse of CLI and config strings). Inside one document (a row, or a maximal
+run of equal `segment_ids` in a packed row), a query at in-document position `p` sees
   * raw keys at in-document positions `raw_start(p) .. p`, and
   * the first `num_slots(p)` *slots* of its document: slot `c` summarises the `slot_size`
     tokens `[c * slot_size, (c + 1) * slot_size)` (pooled by `cca_jax.attention.pooling`).
@@ -27,8 +27,9 @@ both visible sets are contiguous index ranges: raw `[raw_lo(t), t]`, slots
 `core_hi = num_slots(t)`.
 
 Everything here is plain integer arithmetic that works on Python ints, numpy and jnp arrays
-(traced or not); `_xp` is the one place that picks numpy or jax.numpy. The XLA implementation, the Pallas kernels (GPU bounds, TPU prefetch tables)
-and the KV cache all take their bounds from this module.
+(traced or not); `_xp` is the one place that picks numpy or jax.numpy. The XLA
+implementation, the Pallas kernels (GPU bounds, TPU prefetch tables) and the KV cache all take
+their bounds from this module.
 """
 
 from __future__ import annotations
