@@ -25,7 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.measure import median_ms, rel_l2  # noqa: E402
 from cca_jax.attention import cca_attention  # noqa: E402
-from cca_jax.blocks import visible_score_count  # noqa: E402
+from cca_jax.blocks import CCA  # noqa: E402
 
 
 def _cca(impl):
@@ -39,7 +39,7 @@ PALLAS_CONFIG: dict = {}   # KernelConfig overrides for cca_pallas_gpu (--pallas
 
 
 def _cca_pallas_gpu(q, k, v, g, s, n):
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
     return cca_attention_pallas_gpu(q, k, v, group_size=g, window_size=s, sink_tokens=n,
                                     **PALLAS_CONFIG)
 
@@ -112,7 +112,7 @@ def main(argv=None):
             k = jax.random.normal(key[1], shape_kv, jnp.bfloat16)
             v = jax.random.normal(key[2], shape_kv, jnp.bfloat16)
             ct = jax.random.normal(key[3], shape_q, jnp.float32)
-            cca_scores = visible_score_count(length, args.g, args.s, args.sink_tokens)
+            cca_scores = CCA(args.g, args.s, args.sink_tokens).visible_scores(length)
             results = {}
             for name in impls:
                 scores = length * (length + 1) // 2 if name.startswith("full") else cca_scores

@@ -44,7 +44,7 @@ from cca_jax.decode import cached_attention  # noqa: E402
 from pallas_kernels.gpu import decode_attention_pallas_gpu  # noqa: E402
 from pallas_kernels.gpu.decode import DecodeConfig, resolve_splits  # noqa: E402
 
-PATTERN = blocks.cca_pattern(16, 1024)
+PATTERN = blocks.CCA(16, 1024)
 HQ, D, DTYPE = 32, 128, jnp.bfloat16
 CONTEXTS = [(32768, 32768), (131072, 131072), (32768, 131072)]   # (context, max_len)
 # Tilings tried on top of the defaults (DecodeConfig) in the sweep; splits "x2" / "/2" scale

@@ -8,15 +8,15 @@ import time
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import AttentionPattern
+from cca_jax.blocks import parse_option
 
 # The settings every benchmark compares: the paper's CCA and its baselines with the same
 # raw window.
 PAPER_PATTERNS = {
-    "full": AttentionPattern("full"),
-    "sliding": AttentionPattern("sliding", window_size=1024),
-    "streaming": AttentionPattern("streaming", window_size=1024, sink_tokens=4),
-    "cca": AttentionPattern("cca", group_size=16, window_size=1024),
+    "full": parse_option("full"),
+    "sliding": parse_option("sliding", window_size=1024),
+    "streaming": parse_option("streaming", window_size=1024, sink_tokens=4),
+    "cca": parse_option("cca", group_size=16, window_size=1024),
 }
 
 

@@ -31,7 +31,8 @@ from cca_jax.attention import cca_attention_xla  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 from cca_jax.padding import softmax_delta  # noqa: E402
-from pallas_kernels.gpu import cca_attention_pallas_gpu, kernel_config  # noqa: E402
+from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import kernel_config  # noqa: E402
 from pallas_kernels.gpu import kernels as K  # noqa: E402
 
 T0 = time.time()
@@ -129,7 +130,7 @@ def backward_kernels(padded, ct, cfg):
 
 
 def sweep(length, hq, hkv, d, g, s, interpret, budget, fwd_cfgs, bwd_cfgs):
-    scores = blocks.visible_score_count(length, g, s)
+    scores = blocks.CCA(g, s).visible_scores(length)
     raw = raw_scores(length, g, s)
     flop = 4 * d * hq
     best_fwd, best = None, {}
@@ -204,7 +205,7 @@ def end_to_end(length, hq, hkv, d, g, s, interpret, best, budget):
     try:
         rec["fwd_ms"] = median_ms(jax.jit(fn), (q, k, v))
         rec["fwd_bwd_ms"] = median_ms(grads_fn(fn, ct), (q, k, v))
-        flop = 4 * d * hq * blocks.visible_score_count(length, g, s)
+        flop = 4 * d * hq * blocks.CCA(g, s).visible_scores(length)
         rec["fwd_tflops"] = flop / rec["fwd_ms"] / 1e9
         rec["fwd_bwd_tflops"] = 3.5 * flop / rec["fwd_bwd_ms"] / 1e9
     except Exception as e:  # noqa: BLE001

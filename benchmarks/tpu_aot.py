@@ -44,7 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cca_jax import blocks  # noqa: E402
-from pallas_kernels.tpu import attention_pallas_tpu, decode_attention_pallas_tpu  # noqa: E402
+from cca_jax.attention.pallas_tpu import attention_pallas_tpu  # noqa: E402
+from pallas_kernels.tpu import decode_attention_pallas_tpu  # noqa: E402
 
 # Topology name (as get_topology_desc takes it) -> chips per host.
 TOPOLOGIES = {"v5e:2x2": (2, 2, 1), "v5p:2x2x1": (2, 2, 1), "v6e:2x2": (2, 2, 1)}
@@ -71,7 +72,7 @@ def _programs(shape_name: str, tiling: dict):
     """kernel -> (function, argument ShapeDtypeStructs without sharding); `tiling`:
     KernelConfig overrides."""
     b, length, hq, hkv, d, g, s, packed, decode_batch = SHAPES[shape_name]
-    pattern = blocks.cca_pattern(g, s)
+    pattern = blocks.CCA(g, s)
     bf16 = jnp.bfloat16
     q = jax.ShapeDtypeStruct((b, length, hq, d), bf16)
     kv = jax.ShapeDtypeStruct((b, length, hkv, d), bf16)

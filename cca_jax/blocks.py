@@ -1,7 +1,9 @@
 """Which keys each query sees, for every attention option: the single source of that arithmetic.
 
-An attention option is an `AttentionPattern`. Inside one document (a row, or a maximal run of
-equal `segment_ids` in a packed row), a query at in-document position `p` sees
+An attention option is an `AttentionPattern`: one of the frozen types `Full`, `Sliding`,
+`Streaming` and `CCA`, each holding its rule below (`parse_option` builds one from a kind
+string: the one parse of CLI and config strings). Inside one document (a row, or a maximal
+run of equal `segment_ids` in a packed row), a query at in-document position `p` sees
   * raw keys at in-document positions `raw_start(p) .. p`, and
   * the first `num_slots(p)` *slots* of its document: slot `c` summarises the `slot_size`
     tokens `[c * slot_size, (c + 1) * slot_size)` (pooled by `cca_jax.attention.pooling`).
@@ -25,14 +27,16 @@ both visible sets are contiguous index ranges: raw `[raw_lo(t), t]`, slots
 `core_hi = num_slots(t)`.
 
 Everything here is plain integer arithmetic that works on Python ints, numpy and jnp arrays
-(traced or not). The XLA implementation, the Pallas kernels (GPU bounds, TPU prefetch tables)
-and the KV cache all take their bounds from this module.
+(traced or not); `_xp` is the one place that picks numpy or jax.numpy. The XLA
+implementation, the Pallas kernels (GPU bounds, TPU prefetch tables) and the KV cache all take
+their bounds from this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+import types
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,26 +62,25 @@ def num_pooled_groups(length: int, group_size: int, window_size: int) -> int:
     return max(0, (length - window_size) // group_size)
 
 
-def visible_score_count(length: int, group_size: int, window_size: int,
-                        sink_tokens: int = 0) -> int:
-    """Query-key scores per head CCA needs for one unpacked sequence (sinks + core + raw
-    window)."""
-    return cca_pattern(group_size, window_size, sink_tokens).visible_scores(length)
+def _xp(*values):
+    """The one switch between numpy and jax.numpy here: numpy when every value is a Python
+    or numpy integer/bool or a numpy array (host-side tables, tests), else jax.numpy."""
+    host = all(isinstance(v, (int, np.integer, np.bool_, np.ndarray)) for v in values)
+    return np if host else jnp
 
 
-def _elementwise(python_fn, numpy_fn, jax_fn):
-    """One binary op on Python ints (stays an int), numpy arrays or jax values alike."""
-    def op(a, b):
-        if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
-            return python_fn(a, b)
-        if isinstance(a, np.ndarray):
-            return numpy_fn(a, b)
-        return jax_fn(a, b)
+def _elementwise(name: str):
+    """numpy/jax.numpy op `name` through `_xp`; Python scalars in, a Python scalar out."""
+    def op(*args):
+        out = getattr(_xp(*args), name)(*args)
+        scalars = all(isinstance(a, (int, np.integer, np.bool_)) for a in args)
+        return out.item() if scalars else out
     return op
 
 
-_maximum = _elementwise(max, np.maximum, jnp.maximum)
-_minimum = _elementwise(min, np.minimum, jnp.minimum)
+_maximum = _elementwise("maximum")
+_minimum = _elementwise("minimum")
+_where = _elementwise("where")
 
 
 # ---- attention options ----------------------------------------------------------------------
@@ -86,140 +89,59 @@ def _window_start(p, window: int):
     return _maximum(p - window + 1, 0)
 
 
-class _Rules(NamedTuple):
-    """How one attention option sees the past, per in-document position `p`."""
-    raw_start: Callable      # (pattern, p) -> first visible raw position
-    num_slots: Callable      # (pattern, p) -> visible slots
-    slot_size: Callable      # pattern -> tokens per pooled slot
-    max_slots: Callable      # (pattern, length, packed) -> static bound of slots per row
-    lead_slots: Callable = lambda pat: 0   # pattern -> leading slots of one raw token each
-    default_sinks: int = 0   # sink_tokens when a configuration leaves it unset
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def _cca_sinks_seen(pat, p):
-    """Sinks (SPEC 6) the cca query at `p` sees through their slots: those that have left the
-    widest raw window of `s + g - 1` keys (all N once a core token is visible)."""
-    return _minimum(_window_start(p, pat.window_size + pat.group_size - 1), pat.sink_tokens)
-
-
-def _cca_cores(pat, p):
-    """n_core of SPEC 6: CCA on the positions after the N sinks."""
-    return n_core(p - pat.sink_tokens, pat.group_size, pat.window_size)
-
-
-def _cca_raw_start(pat, p):
-    if not pat.sink_tokens:
-        return raw_start(p, pat.group_size, pat.window_size)
-    return _cca_sinks_seen(pat, p) + pat.group_size * _cca_cores(pat, p)
-
-
-def _cca_num_slots(pat, p):
-    if not pat.sink_tokens:
-        return n_core(p, pat.group_size, pat.window_size)
-    return _cca_sinks_seen(pat, p) + _cca_cores(pat, p)
-
-
-def _cca_max_slots(pat, length, packed):
-    # Documents' groups never add up to more than one sequence's: sum (l_i - s) // g <= (L - s) // g.
-    g, s, n = pat.group_size, pat.window_size, pat.sink_tokens
-    if not n:
-        return num_pooled_groups(length, g, s)
-    if not packed:
-        return int(_cca_num_slots(pat, length - 1)) if length else 0
-    # Sinks become slots in documents of s + g tokens or more (at most L // (s + g) of them),
-    # at most l - s - g + 1 in one of l tokens; the groups after the sinks add up as above.
-    sinks = max(0, min(n * (length // (s + g)), length - s - g + 1))
-    return sinks + max(0, (length - n - s) // g)
-
-
-def _streaming_max_slots(pat, length, packed):
-    w, n = pat.window_size, pat.sink_tokens
-    if not packed:
-        return max(0, min(n, length - w))
-    # Only documents longer than W have sinks outside their window, at most L // (W + 1) of
-    # them, and their slots add up to at most L - W.
-    return max(0, min(length - w, n * (length // (w + 1))))
-
-
-ATTENTION_KINDS: dict[str, _Rules] = {
-    "full": _Rules(raw_start=lambda pat, p: 0 * p,
-                   num_slots=lambda pat, p: 0 * p,
-                   slot_size=lambda pat: 1,
-                   max_slots=lambda pat, length, packed: 0),
-    "sliding": _Rules(raw_start=lambda pat, p: _window_start(p, pat.window_size),
-                      num_slots=lambda pat, p: 0 * p,
-                      slot_size=lambda pat: 1,
-                      max_slots=lambda pat, length, packed: 0),
-    "streaming": _Rules(raw_start=lambda pat, p: _window_start(p, pat.window_size),
-                        num_slots=lambda pat, p: _minimum(_window_start(p, pat.window_size),
-                                                          pat.sink_tokens),
-                        slot_size=lambda pat: 1,
-                        max_slots=_streaming_max_slots,
-                        default_sinks=4),
-    "cca": _Rules(raw_start=_cca_raw_start,
-                  num_slots=_cca_num_slots,
-                  slot_size=lambda pat: pat.group_size,
-                  max_slots=_cca_max_slots,
-                  lead_slots=lambda pat: pat.sink_tokens),
-}
-
-
-def default_sink_tokens(kind: str) -> int:
-    """`sink_tokens` of option `kind` when a configuration leaves it unset: StreamingLLM's 4
-    for streaming, 0 (the paper's CCA) for cca."""
-    return ATTENTION_KINDS[kind].default_sinks
+def _non_negative(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPattern:
-    """Which keys a query sees: an attention option and its sizes (hashable, static).
+    """Which keys a query sees: the base of the attention options `Full`, `Sliding`,
+    `Streaming` and `CCA` (frozen, hashable, static under jit). Each option holds its rule
+    (`raw_start`, `num_slots`), its slots' sizes, its slot bound and its KV-cache ring size;
+    the shared slot arithmetic is here. `parse_option` builds one from a kind string.
 
-    kind: a key of `ATTENTION_KINDS`. group_size (`g`, cca), window_size (`s` for cca, `W`
-    for sliding and streaming), sink_tokens (`N`: streaming's sinks; cca's raw first tokens,
-    SPEC 6, 0 = the paper's CCA). Fields an option does not use are ignored by it.
+    The size fields every option answers (1, 1, 0 where it has none): group_size (`g`, cca),
+    window_size (`s` for cca, `W` for sliding and streaming), sink_tokens (`N`).
     """
 
-    kind: str
-    group_size: int = 1
-    window_size: int = 1
-    sink_tokens: int = 0
-
-    def __post_init__(self):
-        if self.kind not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}, "
-                             f"got {self.kind!r}.")
-        for name in ("group_size", "window_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if (isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int)
-                or self.sink_tokens < 0):
-            raise ValueError(f"sink_tokens must be a non-negative integer, "
-                             f"got {self.sink_tokens!r}.")
-
-    @property
-    def _rules(self) -> _Rules:
-        return ATTENTION_KINDS[self.kind]
+    kind: ClassVar[str] = ""
+    default_sinks: ClassVar[int] = 0   # sink_tokens when a configuration leaves it unset
 
     def raw_start(self, p):
         """First raw key (in-document position) visible to in-document position `p`."""
-        return self._rules.raw_start(self, p)
+        raise NotImplementedError
 
     def num_slots(self, p):
         """Slots `0 .. num_slots(p) - 1` of its document are visible to position `p`."""
-        return self._rules.num_slots(self, p)
+        return 0 * p
 
     @property
     def slot_size(self) -> int:
         """Tokens summarised by one pooled slot (g for cca; 1 for streaming's sinks)."""
-        return self._rules.slot_size(self)
+        return 1
 
     @property
     def lead_slots(self) -> int:
         """Slots of one raw token each that lead a document's slots, before the pooled ones
         (cca's sinks: N). Slot `c` of a document covers in-document positions
         `[slot_first(c), slot_last(c)]`."""
-        return self._rules.lead_slots(self)
+        return 0
+
+    def max_slots(self, length: int, packed: bool = False) -> int:
+        """Slots a row of `length` needs (all documents together when `packed`)."""
+        return 0
+
+    def ring_size(self, max_len: int) -> int:
+        """Raw keys/values the KV cache keeps per KV head for sequences of up to `max_len`
+        tokens, before clipping to `[1, max_len]` (`blocks.ring_size`): the widest raw window
+        a query sees (cca: SPEC section 4's `s + g`)."""
+        raise NotImplementedError
 
     def slot_first(self, c):
         """First in-document position of the tokens of slot `c`."""
@@ -244,22 +166,174 @@ class AttentionPattern:
             return p // self.slot_size
         return _minimum(p, n) + _maximum(p - n, 0) // self.slot_size
 
-    def max_slots(self, length: int, packed: bool = False) -> int:
-        """Slots a row of `length` needs (all documents together when `packed`)."""
-        return self._rules.max_slots(self, length, packed)
-
     def visible_scores(self, length: int) -> int:
         """Query-key scores per head for one unpacked sequence of `length`."""
         t = np.arange(length, dtype=np.int64)
         return int(np.sum(self.num_slots(t) + t - self.raw_start(t) + 1))
 
 
-def cca_pattern(group_size: int, window_size: int, sink_tokens: int = 0) -> AttentionPattern:
-    """CCA with group `g`, window `s` and `N` sink tokens (SPEC 6; 0: the paper's CCA)."""
-    return AttentionPattern("cca", group_size=group_size, window_size=window_size,
-                            sink_tokens=sink_tokens)
+@dataclasses.dataclass(frozen=True)
+class Full(AttentionPattern):
+    """Causal attention over every earlier key; no slots."""
+
+    kind: ClassVar[str] = "full"
+    group_size: ClassVar[int] = 1
+    window_size: ClassVar[int] = 1
+    sink_tokens: ClassVar[int] = 0
+
+    def raw_start(self, p):
+        return 0 * p
+
+    def ring_size(self, max_len: int) -> int:
+        return max_len
 
 
+@dataclasses.dataclass(frozen=True)
+class Sliding(AttentionPattern):
+    """The last `window_size` keys (the query's own included); no slots."""
+
+    window_size: int
+
+    kind: ClassVar[str] = "sliding"
+    group_size: ClassVar[int] = 1
+    sink_tokens: ClassVar[int] = 0
+
+    def __post_init__(self):
+        _positive("window_size", self.window_size)
+
+    def raw_start(self, p):
+        return _window_start(p, self.window_size)
+
+    def ring_size(self, max_len: int) -> int:
+        return self.window_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming(AttentionPattern):
+    """StreamingLLM: the sliding window plus the first `sink_tokens` tokens of the document
+    as slots of one token each, for those sinks that have left the window."""
+
+    window_size: int
+    sink_tokens: int = 4
+
+    kind: ClassVar[str] = "streaming"
+    group_size: ClassVar[int] = 1
+    default_sinks: ClassVar[int] = 4
+
+    def __post_init__(self):
+        _positive("window_size", self.window_size)
+        _non_negative("sink_tokens", self.sink_tokens)
+
+    def raw_start(self, p):
+        return _window_start(p, self.window_size)
+
+    def num_slots(self, p):
+        return _minimum(_window_start(p, self.window_size), self.sink_tokens)
+
+    def max_slots(self, length: int, packed: bool = False) -> int:
+        w, n = self.window_size, self.sink_tokens
+        if not packed:
+            return max(0, min(n, length - w))
+        # Only documents longer than W have sinks outside their window, at most L // (W + 1)
+        # of them, and their slots add up to at most L - W.
+        return max(0, min(length - w, n * (length // (w + 1))))
+
+    def ring_size(self, max_len: int) -> int:
+        return self.window_size
+
+
+@dataclasses.dataclass(frozen=True)
+class CCA(AttentionPattern):
+    """Core Context Aware attention (SPEC section 2) with group `g`, window `s` and `N` sink
+    tokens (SPEC 6; 0: the paper's CCA exactly)."""
+
+    group_size: int
+    window_size: int
+    sink_tokens: int = 0
+
+    kind: ClassVar[str] = "cca"
+
+    def __post_init__(self):
+        _positive("group_size", self.group_size)
+        _positive("window_size", self.window_size)
+        _non_negative("sink_tokens", self.sink_tokens)
+
+    def _sinks_seen(self, p):
+        """Sinks (SPEC 6) the query at `p` sees through their slots: those that have left the
+        widest raw window of `s + g - 1` keys (all N once a core token is visible)."""
+        return _minimum(_window_start(p, self.window_size + self.group_size - 1),
+                        self.sink_tokens)
+
+    def _cores(self, p):
+        """n_core of SPEC 6: CCA on the positions after the N sinks."""
+        return n_core(p - self.sink_tokens, self.group_size, self.window_size)
+
+    def raw_start(self, p):
+        if not self.sink_tokens:
+            return raw_start(p, self.group_size, self.window_size)
+        return self._sinks_seen(p) + self.group_size * self._cores(p)
+
+    def num_slots(self, p):
+        if not self.sink_tokens:
+            return n_core(p, self.group_size, self.window_size)
+        return self._sinks_seen(p) + self._cores(p)
+
+    @property
+    def slot_size(self) -> int:
+        return self.group_size
+
+    @property
+    def lead_slots(self) -> int:
+        return self.sink_tokens
+
+    def max_slots(self, length: int, packed: bool = False) -> int:
+        # Documents' groups never add up to more than one sequence's:
+        # sum (l_i - s) // g <= (L - s) // g.
+        g, s, n = self.group_size, self.window_size, self.sink_tokens
+        if not n:
+            return num_pooled_groups(length, g, s)
+        if not packed:
+            return int(self.num_slots(length - 1)) if length else 0
+        # Sinks become slots in documents of s + g tokens or more (at most L // (s + g) of
+        # them), at most l - s - g + 1 in one of l tokens; the groups after the sinks add up
+        # as above.
+        sinks = max(0, min(n * (length // (s + g)), length - s - g + 1))
+        return sinks + max(0, (length - n - s) // g)
+
+    def ring_size(self, max_len: int) -> int:
+        # SPEC section 4's `s + g`: the local window plus the group that is still filling
+        # (the widest window is `s + g - 1`, so one entry is spare).
+        return self.window_size + self.group_size
+
+
+# kind string -> option type: what `parse_option` and the CLIs' choices read.
+ATTENTION_KINDS = types.MappingProxyType(
+    {cls.kind: cls for cls in (Full, Sliding, Streaming, CCA)})
+
+
+def default_sink_tokens(kind: str) -> int:
+    """`sink_tokens` of option `kind` when a configuration leaves it unset: StreamingLLM's 4
+    for streaming, 0 (the paper's CCA) for cca."""
+    return ATTENTION_KINDS[kind].default_sinks
+
+
+def parse_option(kind: str, *, group_size: int = 1, window_size: int = 1,
+                 sink_tokens: int = 0) -> AttentionPattern:
+    """THE parse of an attention option from a kind string and sizes (CLIs, config files):
+    `Full()`, `Sliding(window_size)`, `Streaming(window_size, sink_tokens)` or
+    `CCA(group_size, window_size, sink_tokens)`. Every size is validated, used or not."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}, got {kind!r}.")
+    _positive("group_size", group_size)
+    _positive("window_size", window_size)
+    _non_negative("sink_tokens", sink_tokens)
+    if kind == "full":
+        return Full()
+    if kind == "sliding":
+        return Sliding(window_size)
+    if kind == "streaming":
+        return Streaming(window_size, sink_tokens)
+    return CCA(group_size, window_size, sink_tokens)
 
 
 class RowRanges(NamedTuple):
@@ -316,13 +390,6 @@ def pattern_ranges(pattern: AttentionPattern, length: int,
                      group_last)
 
 
-def row_ranges(length: int, group_size: int, window_size: int,
-               segment_ids: jax.Array | None = None, sink_tokens: int = 0) -> RowRanges:
-    """`pattern_ranges` for CCA with group `g`, window `s` and `N` sinks."""
-    return pattern_ranges(cca_pattern(group_size, window_size, sink_tokens), length,
-                          segment_ids)
-
-
 def document_starts(segment_ids) -> jax.Array:
     """`[B, L]` -> `[B, L]`: the first position of each position's document, a document being
     a maximal run of equal ids."""
@@ -347,13 +414,6 @@ def pattern_dense_visibility(pattern: AttentionPattern, length: int,
     j = np.arange(m)
     core = (j >= r.core_lo[..., None]) & (j < r.core_hi[..., None])
     return raw, core
-
-
-def dense_visibility(length: int, group_size: int, window_size: int,
-                     segment_ids=None, sink_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """`pattern_dense_visibility` for CCA (slot count: `max_slots`)."""
-    return pattern_dense_visibility(cca_pattern(group_size, window_size, sink_tokens), length,
-                                    segment_ids)
 
 
 # ---- Block-level bounds ------------------------------------------------------------------
@@ -388,22 +448,20 @@ def core_blocks_for_rows(core_lo_r0, core_lo_r1, core_hi_r0, core_hi_r1, block_c
     return first, full_first, full_last, last
 
 
-def raw_block_bounds(q_block, block_q: int, block_k: int, length: int, group_size: int,
-                     window_size: int):
+def raw_block_bounds(pattern: AttentionPattern, q_block, block_q: int, block_k: int,
+                     length: int):
     """`raw_blocks_for_rows` for query block `q_block` of an unpacked sequence."""
     r0 = q_block * block_q
     r1 = _minimum(r0 + block_q, length) - 1
-    return raw_blocks_for_rows(r0, r1, raw_start(r0, group_size, window_size),
-                               raw_start(r1, group_size, window_size), block_k)
+    return raw_blocks_for_rows(r0, r1, pattern.raw_start(r0), pattern.raw_start(r1), block_k)
 
 
-def core_block_bounds(q_block, block_q: int, block_c: int, length: int, group_size: int,
-                      window_size: int):
+def core_block_bounds(pattern: AttentionPattern, q_block, block_q: int, block_c: int,
+                      length: int):
     """`core_blocks_for_rows` for query block `q_block` of an unpacked sequence."""
     r0 = q_block * block_q
     r1 = _minimum(r0 + block_q, length) - 1
-    return core_blocks_for_rows(0, 0, n_core(r0, group_size, window_size),
-                                n_core(r1, group_size, window_size), block_c)
+    return core_blocks_for_rows(0, 0, pattern.num_slots(r0), pattern.num_slots(r1), block_c)
 
 
 def _cdiv(a, b):
@@ -470,20 +528,9 @@ def row_blocks_for_interval(a0, a1, b0, b1, block_q: int):
 # `raw_start(t) <= u <= t` (`u > t - R` holds by construction, and `R` covers the widest
 # window: `widest_window`), and slots `c < num_slots(t)`.
 
-# Ring capacity per option before clipping to max_len: the widest raw window a query sees,
-# and for cca SPEC section 4's `s + g` ("the local window plus the group that is still
-# filling"; the widest window is `s + g - 1`, so one entry is spare).
-RING_SIZES: dict[str, Callable] = {
-    "full": lambda pat, max_len: max_len,
-    "sliding": lambda pat, max_len: pat.window_size,
-    "streaming": lambda pat, max_len: pat.window_size,
-    "cca": lambda pat, max_len: pat.window_size + pat.group_size,
-}
-
-
 def ring_size(pattern: AttentionPattern, max_len: int) -> int:
     """Raw keys/values the cache keeps per KV head for sequences of up to `max_len` tokens."""
-    return max(1, min(max_len, RING_SIZES[pattern.kind](pattern, max_len)))
+    return max(1, min(max_len, pattern.ring_size(max_len)))
 
 
 def widest_window(pattern: AttentionPattern, max_len: int) -> int:
@@ -493,15 +540,12 @@ def widest_window(pattern: AttentionPattern, max_len: int) -> int:
 
 
 def _arange_like(n: int, t):
-    if isinstance(t, (int, np.integer, np.ndarray)):
-        return np.arange(n)
-    return jnp.arange(n, dtype=jnp.asarray(t).dtype)
+    xp = _xp(t)
+    return np.arange(n) if xp is np else jnp.arange(n, dtype=jnp.asarray(t).dtype)
 
 
 def _expand(t):
-    if isinstance(t, (int, np.integer)):
-        return np.asarray(t)[None]
-    return t[..., None]
+    return _xp(t).asarray(t)[..., None]
 
 
 def ring_positions(t, ring: int):
@@ -545,23 +589,11 @@ def completed_slot(pattern: AttentionPattern, t):
     return _where(done, c, -1)
 
 
-def _where(cond, a, b):
-    """`where` on Python bools / numpy / jax values alike."""
-    if isinstance(cond, (bool, np.bool_)):
-        return a if cond else b
-    return np.where(cond, a, b) if isinstance(cond, np.ndarray) else jnp.where(cond, a, b)
-
-
 def completes_slot(pattern: AttentionPattern, t, num_slots: int):
     """Whether the token at position `t` completes a slot the cache stores (`0 <= c < C`):
     the decode steps that pool (numpy or jax, elementwise)."""
     c = completed_slot(pattern, t)
     return (c >= 0) & (c < num_slots)
-
-
-def _xp(x):
-    """numpy for numpy inputs (host-side tables, tests), jax.numpy otherwise."""
-    return np if isinstance(x, (np.ndarray, np.integer, int)) else jnp
 
 
 def chunk_ranges(pattern: AttentionPattern, p0, chunk: int, front: int, num_slots: int):
@@ -700,25 +732,23 @@ def slot_block_visits(core_lo, core_hi, num_slots: int, block_c: int, block_q: i
     return jnp.stack(visits, axis=-1).astype(jnp.int32)
 
 
-def query_block_steps(pattern: AttentionPattern, length: int, padded_len: int, block_q: int,
-                      block_k: int, num_slot_blocks: int) -> tuple[int, int]:
+def query_block_steps(width: int, padded_len: int, block_q: int, block_k: int,
+                      num_slot_blocks: int) -> tuple[int, int]:
     """Static `(raw, slot)` bounds on the blocks any query block visits, packed or not.
 
-    Raw: every row sees at most `W = widest_window` keys inside its document, so
-    `raw_lo(t) >= t - W + 1` (padded rows see only themselves); slots: all slot blocks.
+    Raw: every row sees at most `width` keys inside its document (`widest_window` of the
+    option), so `raw_lo(t) >= t - width + 1` (padded rows see only themselves); slots: all
+    slot blocks.
     """
-    width = widest_window(pattern, length)
     r0 = np.arange(padded_len // block_q) * block_q
     r1 = r0 + block_q - 1
     first = np.maximum(r0 - width + 1, 0) // block_k
     return int(np.max(r1 // block_k - first + 1)), int(num_slot_blocks)
 
 
-def key_block_steps(pattern: AttentionPattern, length: int, padded_len: int, block_k: int,
-                    block_q: int) -> int:
+def key_block_steps(width: int, padded_len: int, block_k: int, block_q: int) -> int:
     """Static bound on the query blocks that see one raw key block: key `u` is seen by rows
-    `u .. u + W - 1` at most (`W = widest_window`)."""
-    width = widest_window(pattern, length)
+    `u .. u + width - 1` at most (`width`: `widest_window` of the option)."""
     nq = padded_len // block_q
     x0 = np.arange(padded_len // block_k) * block_k
     last = np.minimum((x0 + block_k - 1 + width - 1) // block_q, nq - 1)
@@ -747,6 +777,5 @@ def ring_entry_visible(entry, ring_first, ring_count, ring: int):
     ring_count`, written without a vector remainder (for kernels); entries `>= R` (a block's
     overhang past the ring) are not."""
     offset = entry - ring_first
-    where = np.where if isinstance(offset, np.ndarray) else jnp.where
-    offset = where(offset < 0, offset + ring, offset)
+    offset = _where(offset < 0, offset + ring, offset)
     return (offset < ring_count) & (entry < ring)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.attention.pooling import POOLING_FNS
-from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, default_sink_tokens
+from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, default_sink_tokens, parse_option
 from cca_jax.rope import INV_FREQ_FNS
 
 # Remat policies by name (None: no remat); `model.py` applies them.
@@ -112,8 +112,8 @@ class AttentionConfig:
     @property
     def pattern(self) -> AttentionPattern:
         """Which keys a query sees (`cca_jax.blocks`)."""
-        return AttentionPattern(self.kind, group_size=self.group_size,
-                                window_size=self.window_size, sink_tokens=self.sink_tokens)
+        return parse_option(self.kind, group_size=self.group_size, window_size=self.window_size,
+                            sink_tokens=self.sink_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -19,14 +19,14 @@ forward (`run_attention`, cuDNN included), its slots and ring then written.
 
 Decode, one token per row at position `p` = its cache length: its key/value goes into ring
 entry `p % R`, a slot completed by it is pooled from the ring, and its query runs one masked
-softmax over the ring and the slots (`DECODE_IMPLEMENTATIONS`: the Pallas decode kernels
-from `blocks.decode_bounds`, or XLA with `blocks.cache_raw_visible` / `cache_slot_visible`).
+softmax over the ring and the slots (the decode entry of the backend, `decode_implementation`:
+the Pallas decode kernels from `blocks.decode_bounds`, or XLA with `blocks.cache_raw_visible` /
+`cache_slot_visible`).
 The step unrolls the layers, so every weight and cache slice is static.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import types
 
@@ -37,7 +37,8 @@ from flax import nnx
 
 from cca_jax import blocks
 from cca_jax.attention import resolve_implementation, run_attention
-from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
+from cca_jax.attention.backends import BACKENDS, blocked_backend, decode_backend
+from cca_jax.attention.cached import cached_attention  # noqa: F401  (re-exported)
 from cca_jax.attention.pooling import pool_ending_slot, pool_pattern_slots, slots_and_bounds
 from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
@@ -46,7 +47,6 @@ from cca_jax.padding import round_up
 from cca_jax.rope import apply_rope, rope_cos_sin
 
 DEFAULT_CHUNK_SIZE = 2048
-_MASKED = -1e30  # finite, as in the blocked attention: no inf - inf
 
 
 # ---- shared layer machinery --------------------------------------------------------------
@@ -183,7 +183,7 @@ def _attend_rows(cfg: LlamaConfig, cache: KVCache, i: int, q, rows, end):
     `end[b] - 1`, from the cache after the chunk (layer `i` static): what a decode step of that
     token computes (SPEC property 6), through the decode kernels."""
     q_rows = jnp.take_along_axis(q, rows[:, None, None, None], axis=1)[:, 0]
-    attention = DECODE_IMPLEMENTATIONS[decode_implementation(cfg)]
+    attention = BACKENDS[decode_implementation(cfg)].decode
     out = attention(q_rows.astype(cache.k.dtype), cache.k, cache.v, cache.ck, cache.cv, i,
                     cache.pattern, jnp.maximum(end - 1, 0))
     return out[:, None]
@@ -208,8 +208,8 @@ def chunk_blocking(chunk: int, ring: int, num_slots: int, head_dim: int):
 def offset_implementation(cfg: LlamaConfig) -> str:
     """The implementation of prefill chunks at an offset (`attention.blocked`): the model's
     where it takes per-row bounds, else what `auto` picks for packed rows, else `xla`."""
-    return blocked_implementation(cfg.attention.implementation, pattern=cfg.attention.pattern,
-                                  head_dim=cfg.head_dim, dtype=cfg.dtype)
+    return blocked_backend(cfg.attention.implementation, cfg.attention.pattern,
+                           head_dim=cfg.head_dim, dtype=cfg.dtype).name
 
 
 def _first_slots(x, i, new, done):
@@ -233,7 +233,7 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
     zero = jnp.zeros_like(n_valid)
     name = resolve_implementation(cfg.attention.implementation, pattern=pat,
                                   head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
-    shared = name in BLOCKED_IMPLEMENTATIONS and pat.max_slots(n) > 0
+    shared = "blocked" in BACKENDS[name].entries and pat.max_slots(n) > 0
 
     def attend(i, q, k, v, cache, out_rows=None):
         q, k = _stored(q, k)
@@ -244,8 +244,7 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
                                                        pooling=cfg.attention.pooling,
                                                        min_slots=pooled)
             _, blocking = chunk_blocking(n, 0, new_ck.shape[1], cfg.head_dim)
-            out = BLOCKED_IMPLEMENTATIONS[name](q, k, v, new_ck, new_cv, *bounds, blocking,
-                                                window)
+            out = BACKENDS[name].blocked(q, k, v, new_ck, new_cv, *bounds, blocking, window)
         else:
             if pooled:
                 new_ck, new_cv = pool_pattern_slots(q, k, v, pat, pooled,
@@ -279,7 +278,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
     ring, num_slots = cache.ring, cache.num_slots
     front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
     total = front + n
-    blocked = BLOCKED_IMPLEMENTATIONS[offset_implementation(cfg)]
+    blocked = BACKENDS[offset_implementation(cfg)].blocked
     window = blocks.widest_window(pat, cache.max_len)   # raw keys of one query, at most
 
     p0 = cache.lengths
@@ -461,62 +460,12 @@ def compile_prefill(model, cache: KVCache, input_ids, lengths=None, *,
 
 # ---- decode ------------------------------------------------------------------------------
 
-def cached_attention(q, k_ring, v_ring, ck, cv, raw_visible, slot_visible):
-    """One query per row against the cache: q `[B, Hq, D]`, ring `[B, R, Hkv, D]`, slots
-    `[B, C, Hq, D]`, masks `[B, R]` / `[B, C]`; one float32 softmax over both. -> `[B, Hq, D]`."""
-    b, hq, d = q.shape
-    hkv = k_ring.shape[2]
-    qg = q.reshape(b, hkv, hq // hkv, d)
-    scale = 1.0 / math.sqrt(d)
-    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    s_raw = f32("bhgd,brhd->bhgr", qg, k_ring) * scale
-    s_raw = jnp.where(raw_visible[:, None, None], s_raw, _MASKED)
-    cg = lambda x: x.reshape(b, x.shape[1], hkv, hq // hkv, d)  # noqa: E731
-    s_slot = f32("bhgd,bchgd->bhgc", qg, cg(ck)) * scale
-    s_slot = jnp.where(slot_visible[:, None, None], s_slot, _MASKED)
-    top = jnp.maximum(s_raw.max(-1), s_slot.max(-1, initial=_MASKED))[..., None]
-    p_raw = jnp.where(raw_visible[:, None, None], jnp.exp(s_raw - top), 0.0)
-    p_slot = jnp.where(slot_visible[:, None, None], jnp.exp(s_slot - top), 0.0)
-    denom = p_raw.sum(-1) + p_slot.sum(-1)
-    out = (f32("bhgr,brhd->bhgd", p_raw.astype(v_ring.dtype), v_ring)
-           + f32("bhgc,bchgd->bhgd", p_slot.astype(cv.dtype), cg(cv)))
-    return (out / denom[..., None]).reshape(b, hq, d)
-
-
-def _decode_xla(q, k_all, v_all, ck, cv, i, pat, p):
-    ring, num_slots = k_all.shape[2], ck.shape[2]
-    return cached_attention(q, _layer(k_all, i), _layer(v_all, i), _layer(ck, i), _layer(cv, i),
-                            blocks.cache_raw_visible(pat, p, ring),
-                            blocks.cache_slot_visible(pat, p, num_slots))
-
-
-def _decode_pallas_gpu(q, k_all, v_all, ck, cv, i, pat, p):
-    from pallas_kernels.gpu import decode_attention_pallas_gpu  # lazy: kernels import us
-    bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
-    return decode_attention_pallas_gpu(q, k_all, v_all, ck, cv, bounds, layer=i,
-                                       out_dtype=q.dtype)
-
-
-def _decode_pallas_tpu(q, k_all, v_all, ck, cv, i, pat, p):
-    from pallas_kernels.tpu import decode_attention_pallas_tpu
-    bounds = blocks.decode_bounds(pat, p, k_all.shape[2], ck.shape[2])
-    return decode_attention_pallas_tpu(q, k_all, v_all, ck, cv, bounds, layer=i)
-
-
-# Decode attention of one query per row against the stacked cache: the XLA form (masks over
-# one layer's ring and slots) and the Pallas kernels (per-row bounds, layer read in place).
-DECODE_IMPLEMENTATIONS = {"xla": _decode_xla, "pallas_gpu": _decode_pallas_gpu,
-                          "pallas_tpu": _decode_pallas_tpu}
-_KERNEL_DECODE_HEAD_DIMS = (64, 128, 256)
-
-
 def decode_implementation(cfg: LlamaConfig) -> str:
-    """What a decode step runs: the Pallas kernel of the backend the prefill's chunks use
-    (`offset_implementation`), for head dims it takes; else the XLA form."""
-    name = offset_implementation(cfg)
-    if name in DECODE_IMPLEMENTATIONS and cfg.head_dim in _KERNEL_DECODE_HEAD_DIMS:
-        return name
-    return "xla"
+    """What a decode step runs: the decode entry of the backend the prefill's chunks use
+    (`offset_implementation`) where it takes the call, else the XLA form
+    (`backends.decode_backend`)."""
+    return decode_backend(cfg.attention.implementation, cfg.attention.pattern,
+                          head_dim=cfg.head_dim, dtype=cfg.dtype).name
 
 
 def decode_step_traced(model_state, cache: KVCache, tokens, active=None, implementation=None,
@@ -528,10 +477,11 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
     cfg = model.config
     _check_cache(cfg, cache)
     implementation = implementation or decode_implementation(cfg)
-    if implementation not in DECODE_IMPLEMENTATIONS:
-        raise ValueError(f"decode implementation must be one of "
-                         f"{sorted(DECODE_IMPLEMENTATIONS)}, got {implementation!r}.")
-    attention = DECODE_IMPLEMENTATIONS[implementation]
+    decoders = sorted(n for n, b in BACKENDS.items() if "decode" in b.entries)
+    if implementation not in decoders:
+        raise ValueError(f"decode implementation must be one of {decoders}, "
+                         f"got {implementation!r}.")
+    attention = BACKENDS[implementation].decode
     pat = cache.pattern
     ring, num_slots, size = cache.ring, cache.num_slots, pat.slot_size
     b = tokens.shape[0]
@@ -580,7 +530,7 @@ decode_step = jax.jit(decode_step_traced, donate_argnames=("cache",),
                       compiler_options=dict(DECODE_COMPILER_OPTIONS))
 decode_step.__doc__ = """One token per row through the cache, jitted once, reused for every token:
 `decode_step(model_state, cache, tokens [B], active [B] bool | None) -> (logits [B, V], cache)`.
-`implementation`: a `DECODE_IMPLEMENTATIONS` name (default `decode_implementation(config)`).
+`implementation`: a backend with a decode entry (default `decode_implementation(config)`).
 `pool_slots=False` skips pooling: only for a step where no active row's token completes a
 slot (`blocks.completes_slot`), which is 15 of 16 steps at g = 16; a second compiled program.
 

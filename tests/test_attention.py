@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cca_jax import AttentionPattern, cca_attention, run_attention
+from cca_jax import cca_attention, parse_option, run_attention
 from cca_jax.attention import cca_attention_naive, cca_attention_xla, resolve_implementation
 from tests.reference import cca_reference, causal_reference, reference_directional_grads
 
@@ -391,4 +391,4 @@ def test_kernels_not_available_say_what_to_use():
     with pytest.raises(ValueError, match="implementation='xla'"):    # head_dim 8
         cca_attention(q, k, v, group_size=4, window_size=8, implementation="pallas_gpu")
     with pytest.raises(ValueError, match="'xla'"):                   # no GPU here
-        run_attention(q, k, v, AttentionPattern("full"), implementation="cudnn")
+        run_attention(q, k, v, parse_option("full"), implementation="cudnn")

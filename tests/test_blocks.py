@@ -78,11 +78,11 @@ def test_brute_force_partitions_the_past():
 # ---- every option against the per-query oracle ----------------------------------------------
 
 ORACLE_PATTERNS = [
-    blocks.AttentionPattern("full"),
-    *[blocks.AttentionPattern("sliding", window_size=w) for w in (1, 2, 5, 7)],
-    *[blocks.AttentionPattern("streaming", window_size=w, sink_tokens=n)
+    blocks.parse_option("full"),
+    *[blocks.parse_option("sliding", window_size=w) for w in (1, 2, 5, 7)],
+    *[blocks.parse_option("streaming", window_size=w, sink_tokens=n)
       for w, n in ((1, 1), (3, 0), (4, 2), (5, 3), (2, 6))],
-    *[blocks.cca_pattern(g, s) for g, s in ((1, 3), (3, 5), (4, 2), (2, 7))],
+    *[blocks.CCA(g, s) for g, s in ((1, 3), (3, 5), (4, 2), (2, 7))],
 ]
 
 
@@ -199,7 +199,7 @@ def test_n_core_is_truncation_safe():
 def test_row_ranges_match_spec(g, s):
     length = 41
     raw, core, _ = spec_masks(length, g, s)
-    got_raw, got_core = blocks.dense_visibility(length, g, s)
+    got_raw, got_core = blocks.pattern_dense_visibility(blocks.CCA(g, s), length)
     np.testing.assert_array_equal(got_raw[0], raw)
     np.testing.assert_array_equal(got_core[0], core)
 
@@ -212,12 +212,12 @@ def test_row_ranges_with_segments_match_spec(seed):
     if seed == 3:   # an id reused by two documents that are not adjacent
         seg = np.repeat([2, 0, 2, 1], [9, 3, 30, 15])[None]
     raw, core, group_start = spec_masks(length, g, s, seg[0])
-    got_raw, got_core = blocks.dense_visibility(length, g, s, seg)
+    got_raw, got_core = blocks.pattern_dense_visibility(blocks.CCA(g, s), length, seg)
     np.testing.assert_array_equal(got_raw[0], raw)
     m = core.shape[1]   # the slots real documents pool; the row may reserve more
     np.testing.assert_array_equal(got_core[0][:, :m], core)
     assert not got_core[0][:, m:].any()
-    r = blocks.row_ranges(length, g, s, seg)
+    r = blocks.pattern_ranges(blocks.CCA(g, s), length, seg)
     np.testing.assert_array_equal(np.asarray(r.group_start[0])[:m], group_start)
     for x in (r.raw_lo, r.core_lo, r.core_hi):
         assert np.all(np.diff(np.asarray(x)[0]) >= 0), "bounds must be non-decreasing"
@@ -262,11 +262,11 @@ def test_block_bounds_cover_exactly_the_visible_keys(g, s, bq, bk, length):
     for qb in range(-(-length // bq)):
         r0, r1 = qb * bq, min((qb + 1) * bq, length) - 1
         rows = slice(r0, r1 + 1)
-        bounds = blocks.raw_block_bounds(qb, bq, bk, length, g, s)
+        bounds = blocks.raw_block_bounds(blocks.CCA(g, s), qb, bq, bk, length)
         assert bounds == blocks.raw_blocks_for_rows(r0, r1, blocks.raw_start(r0, g, s),
                                                     blocks.raw_start(r1, g, s), bk)
         check_block_range(bounds, raw_tiles(raw, rows, bk))
-        cbounds = blocks.core_block_bounds(qb, bq, bk, length, g, s)
+        cbounds = blocks.core_block_bounds(blocks.CCA(g, s), qb, bq, bk, length)
         assert cbounds == blocks.core_blocks_for_rows(0, 0, blocks.n_core(r0, g, s),
                                                       blocks.n_core(r1, g, s), bk)
         check_block_range(cbounds, core_tiles(core, rows, bk))
@@ -278,8 +278,9 @@ def test_block_bounds_traced_and_at_paper_sizes():
     program ids) gives the Python-int values; that part alone is not a numeric check, it
     tests that the bounds trace (no Python control flow on values)."""
     length, g, s, b = 4096, 16, 1024, 64
-    fn = jax.jit(lambda i: jnp.stack(blocks.raw_block_bounds(i, b, b, length, g, s)
-                                     + blocks.core_block_bounds(i, b, b, length, g, s)))
+    pattern = blocks.CCA(g, s)
+    fn = jax.jit(lambda i: jnp.stack(blocks.raw_block_bounds(pattern, i, b, b, length)
+                                     + blocks.core_block_bounds(pattern, i, b, b, length)))
     n_slots = max(0, (length - s) // g)
     for qb in (0, 16, 17, 18, 63):
         rows = range(qb * b, (qb + 1) * b)
@@ -288,9 +289,9 @@ def test_block_bounds_traced_and_at_paper_sizes():
         for i, t in enumerate(rows):
             raw[i, brute_raw_start(t, g, s): t + 1] = True
             core[i, :brute_n_core(t, g, s)] = True
-        want = blocks.raw_block_bounds(qb, b, b, length, g, s)
+        want = blocks.raw_block_bounds(blocks.CCA(g, s), qb, b, b, length)
         check_block_range(want, raw_tiles(raw, slice(None), b))
-        cwant = blocks.core_block_bounds(qb, b, b, length, g, s)
+        cwant = blocks.core_block_bounds(blocks.CCA(g, s), qb, b, b, length)
         check_block_range(cwant, core_tiles(core, slice(None), b))
         assert tuple(int(x) for x in fn(qb)) == tuple(want) + tuple(cwant)
 
@@ -308,7 +309,7 @@ def test_row_blocks_for_key_blocks_cover_exactly_the_visible_rows(g, s, bq, bk, 
         rng = np.random.default_rng(seed)
         seg = np.sort(rng.integers(0, 3, length))[None]
     raw, core, _ = spec_masks(length, g, s, None if seg is None else seg[0])
-    r = blocks.row_ranges(length, g, s, seg)
+    r = blocks.pattern_ranges(blocks.CCA(g, s), length, seg)
     raw_lo, core_lo, core_hi = (np.broadcast_to(np.asarray(x), (1, length))
                                 for x in (r.raw_lo, r.core_lo, r.core_hi))
     m = core.shape[1]
@@ -371,19 +372,19 @@ def test_row_blocks_for_interval_traced_and_at_paper_sizes():
 
 
 @pytest.mark.parametrize("g,s,length", [(1, 1, 30), (4, 6, 41), (3, 7, 5), (16, 32, 200)])
-def test_visible_score_count_matches_spec(g, s, length):
+def test_visible_scores_match_spec(g, s, length):
     want = sum(brute_n_core(t, g, s) + t + 1 - brute_raw_start(t, g, s) for t in range(length))
-    assert blocks.visible_score_count(length, g, s) == want
+    assert blocks.CCA(g, s).visible_scores(length) == want
 
 
 # ---- decode bounds (the Pallas GPU decode kernel) ------------------------------------------
 
 DECODE_PATTERNS = [
-    blocks.cca_pattern(4, 6),
-    blocks.cca_pattern(16, 8),
-    blocks.AttentionPattern("sliding", window_size=7),
-    blocks.AttentionPattern("streaming", window_size=7, sink_tokens=3),
-    blocks.AttentionPattern("full"),
+    blocks.CCA(4, 6),
+    blocks.CCA(16, 8),
+    blocks.parse_option("sliding", window_size=7),
+    blocks.parse_option("streaming", window_size=7, sink_tokens=3),
+    blocks.parse_option("full"),
 ]
 
 
@@ -414,7 +415,7 @@ def test_decode_bounds_match_the_dense_cache_masks(pattern, max_len):
 
 
 def test_decode_bounds_clip_slots_to_the_cache_and_take_python_ints():
-    pattern = blocks.cca_pattern(16, 1024)
+    pattern = blocks.CCA(16, 1024)
     assert blocks.decode_bounds(pattern, 1024 + 16 * 100, 1040, 64).num_slots == 64
     first, count, slots = blocks.decode_bounds(pattern, 131071, 1040, 8192)
     assert (int(first), int(count), int(slots)) == (
@@ -423,10 +424,10 @@ def test_decode_bounds_clip_slots_to_the_cache_and_take_python_ints():
 
 # ---- visit tables on a static grid (the Pallas TPU kernels' scalar prefetch) ---------------
 
-TABLE_PATTERNS = [blocks.cca_pattern(4, 6), blocks.cca_pattern(3, 13), blocks.cca_pattern(1, 2),
-                  blocks.AttentionPattern("sliding", window_size=9),
-                  blocks.AttentionPattern("streaming", window_size=7, sink_tokens=3),
-                  blocks.AttentionPattern("full")]
+TABLE_PATTERNS = [blocks.CCA(4, 6), blocks.CCA(3, 13), blocks.CCA(1, 2),
+                  blocks.parse_option("sliding", window_size=9),
+                  blocks.parse_option("streaming", window_size=7, sink_tokens=3),
+                  blocks.parse_option("full")]
 
 
 def _padded_bounds(pattern, length, padded, seg):
@@ -457,8 +458,9 @@ def test_visit_tables_cover_exactly_the_visible_blocks(pattern, length, packed, 
     c = np.arange(slots)
     core = (c >= core_lo[..., None]) & (c < core_hi[..., None])
     nq, nk, nc = padded // bq, padded // bk, slots // bc
-    raw_steps, core_steps = blocks.query_block_steps(pattern, length, padded, bq, bk, nc)
-    key_steps = blocks.key_block_steps(pattern, length, padded, bk, bq)
+    width = blocks.widest_window(pattern, length)
+    raw_steps, core_steps = blocks.query_block_steps(width, padded, bq, bk, nc)
+    key_steps = blocks.key_block_steps(width, padded, bk, bq)
     fwd = blocks.query_block_visits(raw_lo, core_lo, core_hi, bq, bk, bc)
     traced = blocks.query_block_visits(*map(jnp.asarray, (raw_lo, core_lo, core_hi)), bq, bk, bc)
     np.testing.assert_array_equal(np.asarray(traced), fwd)
@@ -488,10 +490,11 @@ def test_visit_steps_at_paper_sizes():
     """128K, g = 16, s = 1024, blocks of 512: a query block visits at most 4 raw key blocks
     (the window of s + g - 1 keys plus its own rows) and the 16 blocks of 8128 slots; a raw
     key block is seen by at most 4 query blocks."""
-    pattern, length = blocks.cca_pattern(16, 1024), 131072
+    pattern, length = blocks.CCA(16, 1024), 131072
     nc = -(-pattern.max_slots(length) // 512)
-    assert blocks.query_block_steps(pattern, length, length, 512, 512, nc) == (4, 16)
-    assert blocks.key_block_steps(pattern, length, length, 512, 512) == 4
+    width = blocks.widest_window(pattern, length)
+    assert blocks.query_block_steps(width, length, 512, 512, nc) == (4, 16)
+    assert blocks.key_block_steps(width, length, 512, 512) == 4
 
 
 @pytest.mark.parametrize("pattern", DECODE_PATTERNS, ids=lambda p: p.kind)

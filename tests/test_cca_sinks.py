@@ -26,7 +26,7 @@ import pytest
 
 from cca_jax import blocks
 from cca_jax.attention import cca_attention, run_attention
-from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.blocks import CCA, parse_option
 from cca_jax.config import CCA_CONFIG_KEY, AttentionConfig, LlamaConfig
 
 
@@ -163,7 +163,7 @@ def test_bounds_see_every_earlier_position_once_as_spec_6_says():
     length = 23
     seg = np.repeat([0, 1, 0, 2], [3, 9, 8, 3])[None]
     for g, s, n in SMALL_PATTERNS:
-        pat = cca_pattern(g, s, n)
+        pat = CCA(g, s, n)
         for segment_ids in (None, seg):
             raw, slot = blocks.pattern_dense_visibility(pat, length, segment_ids)
             ranges = blocks.pattern_ranges(pat, length, segment_ids)
@@ -197,7 +197,7 @@ def test_cache_arithmetic_with_sinks():
     slot bound holds for random packings; `slot_ends_bound` holds for every window."""
     rng = np.random.default_rng(0)
     for g, s, n in SMALL_PATTERNS:
-        pat = cca_pattern(g, s, n)
+        pat = CCA(g, s, n)
         t = np.arange(40)
         done = blocks.completed_slot(pat, t)
         ends = t[done >= 0]
@@ -317,7 +317,7 @@ def test_zero_sinks_is_the_papers_cca_bit_for_bit():
     (interpret mode) and the TPU kernels, so equal bits on every backend. (Against the code
     before sinks existed the outputs were compared once, bit for bit, on all these paths,
     sequence sharding and the KV cache included.) The bounds are SPEC 2's formulas."""
-    from pallas_kernels.tpu import cca_attention_pallas_tpu
+    from cca_jax.attention.pallas_tpu import cca_attention_pallas_tpu
     (q, k, v, ct, seg), _ = _case("n_above_s_packed", d=64)
     kw = dict(group_size=3, window_size=5, segment_ids=seg)
     entries = {impl: functools.partial(cca_attention, implementation=impl)
@@ -327,13 +327,13 @@ def test_zero_sinks_is_the_papers_cca_bit_for_bit():
         programs = [str(jax.make_jaxpr(_out_and_grads(functools.partial(entry, **kw, **extra)))(
             q, k, v, ct)) for extra in ({}, {"sink_tokens": 0})]
         assert programs[0] == programs[1], impl
-    plain = jax.make_jaxpr(lambda q, k, v: run_attention(q, k, v, AttentionPattern(
-        "cca", group_size=3, window_size=5), segment_ids=seg, implementation="xla"))(q, k, v)
+    plain = jax.make_jaxpr(lambda q, k, v: run_attention(
+        q, k, v, CCA(3, 5), segment_ids=seg, implementation="xla"))(q, k, v)
     zero = jax.make_jaxpr(lambda q, k, v: cca_attention(q, k, v, sink_tokens=0,
                                                         implementation="xla", **kw))(q, k, v)
     assert str(plain) == str(zero)
-    pat = cca_pattern(4, 6)
-    assert pat == AttentionPattern("cca", group_size=4, window_size=6, sink_tokens=0)
+    pat = CCA(4, 6)
+    assert pat == parse_option("cca", group_size=4, window_size=6, sink_tokens=0)
     assert pat == AttentionConfig(group_size=4, window_size=6).pattern
     t = np.arange(100)
     n_core = np.maximum(0, t + 1 - 6) // 4
@@ -352,7 +352,7 @@ def test_zero_sinks_is_the_papers_cca_bit_for_bit():
 def test_pallas_gpu_kernels_interpret():
     """The Triton-lowered kernels (forward, dq, dk/dv, dcore) in interpret mode on a packed
     case with N > s: outputs and gradients against the float64 reference."""
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
     (q, k, v, ct, seg), kw = _case("n_above_s_packed", d=64)
     g, s, n = kw["group_size"], kw["window_size"], kw["sink_tokens"]
     ref, ref_grads = _f64(_out_and_grads(
@@ -373,7 +373,7 @@ def _tpu_case(grads: bool):
     N = 9 > s = 7, one packed row and one plain."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_kernels.tpu import cca_attention_pallas_tpu
+    from cca_jax.attention.pallas_tpu import cca_attention_pallas_tpu
     strict = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                    uninitialized_memory="nan")
     q, k, v, ct = _inputs(2, 150, 2, 1, 128, seed=5)
@@ -412,7 +412,7 @@ def test_decode_kernels_with_sinks(kernel):
     XLA form (`cached_attention` with the cache masks) at positions before, at and after the
     sinks leave the window (t = s + g - 1 .. s + g + N - 2) and after the first core token."""
     from cca_jax.decode import cached_attention
-    pat = cca_pattern(4, 10, 3)                      # R = 14; sinks leave from t = 13
+    pat = CCA(4, 10, 3)                      # R = 14; sinks leave from t = 13
     max_len, hq, hkv, d = 60, 4, 2, 128 if kernel == "pallas_tpu" else 16
     ring, slots = blocks.ring_size(pat, max_len), pat.max_slots(max_len)
     positions = np.asarray([0, 2, 12, 13, 14, 15, 16, 59])
@@ -445,7 +445,7 @@ def _sharded_case(mesh_shape, packed, zigzag):
     from cca_jax.attention.sequence_parallel import sequence_sharded_attention
     from cca_jax.sharding import make_mesh
     mesh = make_mesh(mesh_shape, devices=jax.devices()[:int(np.prod(list(mesh_shape.values())))])
-    pat = cca_pattern(3, 7, 9)                  # N > s; halo s + g - 2 = 8 <= chunks of 12
+    pat = CCA(3, 7, 9)                  # N > s; halo s + g - 2 = 8 <= chunks of 12
     q, k, v, ct = _inputs(2, 192, 4, 2, 8, seed=11)
     seg = jnp.asarray(_segments(2, 192, (20, 100, 131))) if packed else None
     sharded = jax.jit(_out_and_grads(lambda q, k, v: sequence_sharded_attention(
@@ -545,7 +545,7 @@ HF = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=4
 
 
 def test_defaults_per_option():
-    assert AttentionConfig().sink_tokens == 0 and AttentionConfig().pattern == cca_pattern(16, 1024)
+    assert AttentionConfig().sink_tokens == 0 and AttentionConfig().pattern == CCA(16, 1024)
     assert AttentionConfig(kind="streaming").sink_tokens == 4
     assert AttentionConfig(kind="cca", sink_tokens=4).pattern.sink_tokens == 4
     c = LlamaConfig(**HF)
@@ -555,7 +555,7 @@ def test_defaults_per_option():
     assert s8.replace(attention="cca").attention.sink_tokens == 0        # cca's default
     assert s8.replace(window_size=9).attention.sink_tokens == 8          # same option: kept
     sinks = c.replace(sink_tokens=4)
-    assert sinks.attention.pattern == cca_pattern(16, 1024, 4)
+    assert sinks.attention.pattern == CCA(16, 1024, 4)
     assert sinks.replace(attention="cca").attention.sink_tokens == 4
     with pytest.raises(ValueError, match="sink_tokens"):
         c.replace(sink_tokens=-1)
@@ -566,7 +566,7 @@ def test_old_cca_config_json_loads_as_plain_cca_and_new_ones_round_trip(tmp_path
     the streaming default) loads with 0 sinks; streaming's 4 stay; a new cca config with
     sinks round-trips through config.json, with the format marker written."""
     old = LlamaConfig.from_hf_dict({**HF, CCA_CONFIG_KEY: OLD_CCA_RECORD})
-    assert old.attention.sink_tokens == 0 and old.attention.pattern == cca_pattern(16, 1024)
+    assert old.attention.sink_tokens == 0 and old.attention.pattern == CCA(16, 1024)
     old_streaming = LlamaConfig.from_hf_dict(
         {**HF, CCA_CONFIG_KEY: dict(OLD_CCA_RECORD, kind="streaming", sink_tokens=6)})
     assert old_streaming.attention.sink_tokens == 6
@@ -578,7 +578,7 @@ def test_old_cca_config_json_loads_as_plain_cca_and_new_ones_round_trip(tmp_path
     assert written[CCA_CONFIG_KEY]["format"] == 2 and written[CCA_CONFIG_KEY]["sink_tokens"] == 4
     (tmp_path / "config.json").write_text(json.dumps(written))
     back = LlamaConfig.from_pretrained_dir(tmp_path)
-    assert back == new and back.attention.pattern == cca_pattern(8, 64, 4)
+    assert back == new and back.attention.pattern == CCA(8, 64, 4)
     plain = LlamaConfig(**HF)
     assert LlamaConfig.from_hf_dict(plain.to_hf_dict()) == plain
     with pytest.raises(ValueError, match="update cca-jax"):
@@ -596,7 +596,7 @@ def test_cli_flags_reach_cca():
     add_attention_args(ap)
     a = ap.parse_args(["--attention", "cca", "--group-size", "8", "--sink-tokens", "4"])
     cfg = LlamaConfig(**HF).replace(**attention_overrides(a))
-    assert cfg.attention.pattern == cca_pattern(8, 1024, 4)
+    assert cfg.attention.pattern == CCA(8, 1024, 4)
     plain = LlamaConfig(**HF).replace(**attention_overrides(ap.parse_args(["--attention",
                                                                            "cca"])))
     assert plain.attention.sink_tokens == 0
@@ -615,7 +615,7 @@ def test_converter_records_sinks(tmp_path):
                              group_size=4, window_size=16, sink_tokens=4, verbose=False)
     record = json.loads((out / "config.json").read_text())[CCA_CONFIG_KEY]
     assert record["sink_tokens"] == 4 and record["format"] == 2
-    assert (LlamaConfig.from_pretrained_dir(out).attention.pattern == cca_pattern(4, 16, 4))
+    assert (LlamaConfig.from_pretrained_dir(out).attention.pattern == CCA(4, 16, 4))
 
 
 # ---- on a GPU -----------------------------------------------------------------------------
@@ -633,7 +633,7 @@ def test_gpu_kernels_match_the_reference(dtype, packed):
     """The compiled Triton kernels (default tiling) with N = 4, g = 16, s = 256 at L = 2048
     against the float64 reference: relative L2 errors of the output and gradients (the
     tolerances of tests/test_pallas_gpu.py's plain CCA)."""
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
     q, k, v, ct, seg = _gpu_case(2048, packed, dtype)
     kw = dict(group_size=16, window_size=256, sink_tokens=4)
     out, grads = jax.jit(_out_and_grads(functools.partial(

@@ -29,7 +29,7 @@ import pytest
 from flax import nnx
 
 from cca_jax import blocks
-from cca_jax.blocks import AttentionPattern
+from cca_jax.blocks import parse_option
 from cca_jax.config import LlamaConfig
 from cca_jax.decode import decode_step, prefill, prefill_chunk
 from cca_jax.kv_cache import KVCache, cache_bytes, cache_shapes, full_cache_bytes, init_cache
@@ -44,14 +44,14 @@ DENSE_LEN = 16
 
 
 def small_patterns():
-    yield AttentionPattern("full")
+    yield parse_option("full")
     for g in range(1, 5):
         for s in range(1, 7):
-            yield AttentionPattern("cca", group_size=g, window_size=s)
+            yield parse_option("cca", group_size=g, window_size=s)
     for w in range(1, 6):
-        yield AttentionPattern("sliding", window_size=w)
+        yield parse_option("sliding", window_size=w)
         for n in range(0, 4):
-            yield AttentionPattern("streaming", window_size=w, sink_tokens=n)
+            yield parse_option("streaming", window_size=w, sink_tokens=n)
 
 
 def _dense(pattern):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cca_jax import AttentionPattern, run_attention
+from cca_jax import parse_option, run_attention
 from cca_jax.attention import attention_xla, resolve_implementation
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
@@ -23,10 +23,10 @@ from tests.reference import documents
 
 W, N = 7, 3   # window and sinks of the small cases (W not a multiple of anything else here)
 PATTERNS = {
-    "full": AttentionPattern("full"),
-    "sliding": AttentionPattern("sliding", window_size=W),
-    "streaming": AttentionPattern("streaming", window_size=W, sink_tokens=N),
-    "cca": AttentionPattern("cca", group_size=3, window_size=W),
+    "full": parse_option("full"),
+    "sliding": parse_option("sliding", window_size=W),
+    "streaming": parse_option("streaming", window_size=W, sink_tokens=N),
+    "cca": parse_option("cca", group_size=3, window_size=W),
 }
 NON_CCA = ("full", "sliding", "streaming")
 
@@ -184,11 +184,11 @@ def test_short_sequences_and_window_edges():
     for kind in ("sliding", "streaming"):
         np.testing.assert_allclose(_jitted("xla")(q, k, v, PATTERNS[kind], None), full,
                                    atol=2e-5)
-    one = AttentionPattern("sliding", window_size=1)
+    one = parse_option("sliding", window_size=1)
     np.testing.assert_allclose(_jitted("xla")(q, k, v, one, None),
                                np.repeat(v, 1, axis=2), atol=1e-6)
     # Streaming sinks never exceed the tokens that left the window.
-    pat = AttentionPattern("streaming", window_size=4, sink_tokens=10)
+    pat = parse_option("streaming", window_size=4, sink_tokens=10)
     assert [pat.num_slots(t) for t in range(8)] == [0, 0, 0, 0, 1, 2, 3, 4]
     assert pat.max_slots(8) == 4
 
@@ -210,7 +210,7 @@ def test_dispatch_choices():
     with pytest.raises(ValueError, match="NVIDIA GPU"):
         run_attention(q, q, q, pat["full"], implementation="cudnn")
     with pytest.raises(ValueError, match="attention must be one of"):
-        AttentionPattern("local")
+        parse_option("local")
 
 
 # ---- the model: no L x L array, transformers parity -------------------------------------------
@@ -308,7 +308,7 @@ def test_gpu_auto_dispatch_matches_reference(kind, packed):
     kernels otherwise) against the float64 reference: output and gradients."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
-    length, pat = 1024, AttentionPattern(kind, window_size=100, sink_tokens=4)
+    length, pat = 1024, parse_option(kind, window_size=100, sink_tokens=4)
     q, k, v = _inputs(1, length, 4, 2, 128, seed=21)
     seg = np.repeat(np.array([0, 1, 0], np.int32), [300, 500, 224])[None] if packed else None
     bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from cca_jax.attention import cca_attention, cca_attention_naive, resolve_implementation
+from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
 from pallas_kernels.gpu import (LOOP_STYLES, KernelConfig, blocked_attention_pallas_gpu,
-                                cca_attention_pallas_gpu, kernel_config)
+                                kernel_config)
 from tests.reference import cca_reference
 from tests.row_errors import row_max_error
 

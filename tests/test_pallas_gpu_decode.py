@@ -26,10 +26,10 @@ from tests import visibility_oracle as oracle
 D = 16
 SMALL = dict(block=16)
 
-CCA = blocks.cca_pattern(4, 40)                               # R = 44, C = 20 at 120
-SLIDING = blocks.AttentionPattern("sliding", window_size=20)  # R = 20, no slots
-STREAMING = blocks.AttentionPattern("streaming", window_size=20, sink_tokens=3)
-FULL = blocks.AttentionPattern("full")                        # R = max_len, no slots
+CCA = blocks.CCA(4, 40)                               # R = 44, C = 20 at 120
+SLIDING = blocks.parse_option("sliding", window_size=20)  # R = 20, no slots
+STREAMING = blocks.parse_option("streaming", window_size=20, sink_tokens=3)
+FULL = blocks.parse_option("full")                        # R = max_len, no slots
 
 # Rows of one batch at different positions: first tokens, the first core token (t = 43 for
 # cca), ring wraps (multiples of R), window edges, the last position.
@@ -208,14 +208,14 @@ def test_mqa_and_many_splits_match_cached_attention():
 @pytest.mark.slow
 def test_paper_group_sizes_match_cached_attention():
     """g = 16 and a window of 64 (R = 80), block 32, rows well past the first ring wraps."""
-    pattern = blocks.cca_pattern(16, 64)
+    pattern = blocks.CCA(16, 64)
     _check(pattern, 400, 4, 2, dict(block=32, splits=2),
            [[0, 78, 79, 80, 160, 399]] + _random_positions(400, seed=11))
 
 
 # ---- compiled on a GPU ------------------------------------------------------------------------
 
-GPU_PATTERN = blocks.cca_pattern(16, 1024)                   # R = 1040
+GPU_PATTERN = blocks.CCA(16, 1024)                   # R = 1040
 GPU_RING = 1040
 # s + g - 2 (the widest window, no core token), s + g - 1 (the first core token), s + g,
 # the ring's write index wrapping (2R - 1, 2R, 3R - 1, 3R), and the last position.

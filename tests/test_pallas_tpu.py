@@ -20,10 +20,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cca_jax import blocks
 from cca_jax.attention import resolve_implementation, run_attention
-from cca_jax.blocks import AttentionPattern, cca_pattern
+from cca_jax.blocks import CCA, Full, Sliding, Streaming, parse_option
 from cca_jax.decode import cached_attention
-from pallas_kernels.tpu import (attention_pallas_tpu, blocked_attention_pallas_tpu,
-                                decode_attention_pallas_tpu, kernel_config)
+from cca_jax.attention.pallas_tpu import attention_pallas_tpu
+from pallas_kernels.tpu import (blocked_attention_pallas_tpu, decode_attention_pallas_tpu,
+                                kernel_config)
 
 STRICT = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
                                uninitialized_memory="nan")
@@ -105,7 +106,7 @@ def test_cca_forward_and_grads_packed_gqa_ragged():
     first and last documents of row 1 are shorter than s (no core token, SPEC property 2
     inside a document)."""
     q, k, v = _inputs(2, 302, 2, 1, 64, jnp.float32, seed=0)
-    check_against_naive(cca_pattern(4, 37), q, k, v, _segments(2, 302, [30, 270]))
+    check_against_naive(CCA(4, 37), q, k, v, _segments(2, 302, [30, 270]))
 
 
 @pytest.mark.slow
@@ -113,7 +114,7 @@ def test_bf16_cca_shorter_than_the_window_forward():
     """CCA with L < s: no slots at all (the kernels' slot inputs are left out), which is
     causal full attention (property 2); bf16, Hq = Hkv, L < one block."""
     q, k, v = _inputs(1, 100, 2, 2, 128, jnp.bfloat16, seed=1)
-    check_against_naive(cca_pattern(8, 128), q, k, v, grads=False)
+    check_against_naive(CCA(8, 128), q, k, v, grads=False)
 
 
 def check_decode(pattern, max_len, positions, hq, hkv, d, seed, layers=1, **tiling):
@@ -141,13 +142,13 @@ def test_decode_against_cached_attention():
     """G = 2, a cache stacked over 2 layers read in place, a ring of 204 and 200 slots in
     blocks of 128 (both overhang their arrays); rows before the ring fills, with the visible
     entries wrapping around its end, before any slot and with all of them."""
-    check_decode(cca_pattern(4, 200), 1000, [3, 150, 260, 999], 4, 2, 128, seed=4, layers=2,
+    check_decode(CCA(4, 200), 1000, [3, 150, 260, 999], 4, 2, 128, seed=4, layers=2,
                  decode_block_k=128, decode_block_c=128)
 
 
 def test_auto_picks_pallas_tpu_on_tpu():
     for kind in ("full", "sliding", "streaming", "cca"):
-        pattern = AttentionPattern(kind, group_size=16, window_size=1024, sink_tokens=4)
+        pattern = parse_option(kind, group_size=16, window_size=1024, sink_tokens=4)
         for d in (64, 128):
             assert resolve_implementation("auto", "tpu", pattern=pattern, head_dim=d,
                                           packed=True) == "pallas_tpu"
@@ -175,8 +176,8 @@ def _random_case(seed):
     kind = ["cca", "cca", "sliding", "streaming", "full"][seed % 5]
     length = int(rng.integers(1, 420))
     g, s = int(rng.integers(1, 9)), int(rng.integers(1, 160))
-    pattern = AttentionPattern(kind, group_size=g, window_size=s,
-                               sink_tokens=int(rng.integers(0, 5)))
+    pattern = parse_option(kind, group_size=g, window_size=s,
+                           sink_tokens=int(rng.integers(0, 5)))
     hkv = int(rng.integers(1, 3))
     hq = hkv * int(rng.choice([1, 2, 4]))
     d = int(rng.choice([32, 64, 128]))
@@ -199,10 +200,8 @@ def test_random_patterns_and_shapes(seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", [AttentionPattern("full"),
-                                     AttentionPattern("sliding", window_size=130),
-                                     AttentionPattern("streaming", window_size=130, sink_tokens=3),
-                                     cca_pattern(16, 100), cca_pattern(1, 5)],
+@pytest.mark.parametrize("pattern", [Full(), Sliding(130), Streaming(130, sink_tokens=3),
+                                     CCA(16, 100), CCA(1, 5)],
                          ids=lambda p: p.kind)
 def test_decode_every_option(pattern):
     rng = np.random.default_rng(5)
@@ -214,7 +213,7 @@ def test_decode_every_option(pattern):
 def test_causality():
     """SPEC property 5: changing q, k, v after position t leaves out[:t + 1] unchanged."""
     q, k, v = _inputs(1, 260, 2, 1, 128, jnp.float32, seed=3)
-    run = jax.jit(functools.partial(attention_pallas_tpu, pattern=cca_pattern(4, 21),
+    run = jax.jit(functools.partial(attention_pallas_tpu, pattern=CCA(4, 21),
                                     interpret=STRICT, **TILES))
     base = run(q, k, v)
     t = 150

@@ -22,17 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cca_jax import AttentionPattern, run_attention
+from cca_jax import parse_option, run_attention
 from cca_jax.attention.sequence_parallel import (sequence_layout, sequence_sharded_attention,
                                                  zigzag_permutation)
 from cca_jax.sharding import make_mesh
 
 B, L, HQ, HKV, D = 2, 192, 4, 2, 8     # G = 2; L / 16 chunks = 12 rows
 PATTERNS = {
-    "cca": AttentionPattern("cca", group_size=3, window_size=7),      # s % g != 0; halo 8
-    "cca-g5": AttentionPattern("cca", group_size=5, window_size=4),   # chunks of 12, 24, 48
-    "sliding": AttentionPattern("sliding", window_size=7),
-    "streaming": AttentionPattern("streaming", window_size=7, sink_tokens=3),
+    "cca": parse_option("cca", group_size=3, window_size=7),      # s % g != 0; halo 8
+    "cca-g5": parse_option("cca", group_size=5, window_size=4),   # chunks of 12, 24, 48
+    "sliding": parse_option("sliding", window_size=7),
+    "streaming": parse_option("streaming", window_size=7, sink_tokens=3),
 }
 MESHES = {"seq4": {"sequence": 4}, "seq8": {"sequence": 8},
           "data2-seq4": {"data": 2, "sequence": 4}}
@@ -131,7 +131,7 @@ def test_chunks_through_the_pallas_kernels(kernels):
     Pallas kernels (per-row bounds, custom VJP; the TPU grid sized by the widest raw window)
     inside the shard_map; output and gradients equal one device's xla attention. Packed rows,
     zigzag on 2 shards (4 chunks of 32 rows, halo 10)."""
-    pattern = AttentionPattern("cca", group_size=4, window_size=8)
+    pattern = parse_option("cca", group_size=4, window_size=8)
     rng = np.random.default_rng(3)
     q, k, v, cot = (jnp.asarray(rng.standard_normal((1, 128, h, 64)), jnp.float32)
                     for h in (2, 1, 1, 2))
@@ -253,10 +253,10 @@ def _call(pattern=PATTERNS["cca"], length=L, mesh="seq4", **kw):
     (dict(axis="seq"), "not an axis of the mesh"),
     (dict(length=188), "not a multiple of the 8 chunks"),                 # zigzag: 2 x 4
     (dict(length=182, zigzag=False), "not a multiple of the 4 chunks"),
-    (dict(pattern=AttentionPattern("full")), "ring attention"),
-    (dict(pattern=AttentionPattern("sliding", window_size=14), mesh="seq8"),
+    (dict(pattern=parse_option("full")), "ring attention"),
+    (dict(pattern=parse_option("sliding", window_size=14), mesh="seq8"),
      "halo would span several neighbours"),                               # 13 > 12 rows
-    (dict(pattern=AttentionPattern("cca", group_size=4, window_size=11), mesh="seq8"),
+    (dict(pattern=parse_option("cca", group_size=4, window_size=11), mesh="seq8"),
      "halo would span several neighbours"),                               # s + g - 2 = 13
     (dict(layout="zigzag", zigzag=False), "needs zigzag=True"),
     (dict(layout="striped"), "layout must be one of"),
@@ -275,7 +275,7 @@ def test_bad_inputs(kwargs, message):
 
 def test_halo_at_the_limit_is_accepted():
     """s + g - 2 == chunk rows: the halo is exactly the previous chunk (no error)."""
-    lay = sequence_layout(AttentionPattern("cca", group_size=4, window_size=10), L, 8)
+    lay = sequence_layout(parse_option("cca", group_size=4, window_size=10), L, 8)
     assert (lay.halo, lay.chunk) == (12, 12)
 
 
@@ -297,8 +297,8 @@ def test_sequence_sharding_splits_bounded_windows_only():
     sharded = SequenceSharding(_mesh("seq4"), "sequence", "zigzag")
     for name, pattern in PATTERNS.items():
         assert has_bounded_window(pattern) and sharded.splits(pattern), name
-    assert not has_bounded_window(AttentionPattern("full"))
-    assert not sharded.splits(AttentionPattern("full"))
+    assert not has_bounded_window(parse_option("full"))
+    assert not sharded.splits(parse_option("full"))
     single = SequenceSharding(make_mesh({}, devices=jax.devices()[:1]))
     assert not single.splits(PATTERNS["cca"])
     np.testing.assert_array_equal(sharded.row_order(L), zigzag_permutation(L, 4))

@@ -65,7 +65,7 @@ def dump_ttir(overrides: dict, dtype: str, d: int, hkv: int, out_dir: str) -> di
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     sys.path.insert(0, _REPO)
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
 
     paths = {}
     original = reg.lowering.lower_jaxpr_to_triton_module

@@ -68,7 +68,7 @@ def launch_order(length, hq, hkv, d, g, s, base):
 
 
 def forward_tilings(length, hq, d, g, s, base, padded, tilings):
-    scores = blocks.visible_score_count(length, g, s)
+    scores = blocks.CCA(g, s).visible_scores(length)
     for bq, bk, w, st in tilings:
         cfg = base._replace(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
         rec = {"what": "forward_tiling", "L": length, "cfg": [bq, bk, w, st]}

@@ -26,7 +26,7 @@ def main():
     import jax.numpy as jnp
 
     from benchmarks.research.profile_inference import ClockSampler
-    from pallas_kernels.gpu import cca_attention_pallas_gpu
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
 
     if jax.default_backend() != "gpu":
         sys.exit("power_probe needs an NVIDIA GPU.")

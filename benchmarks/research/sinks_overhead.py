@@ -22,7 +22,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.measure import median_ms  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
-from cca_jax.blocks import visible_score_count  # noqa: E402
+from cca_jax.blocks import CCA  # noqa: E402
 from pallas_kernels.gpu import blocked_attention_pallas_gpu  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def measure(length, hq, hkv, d, g, s, n, iters):
     }
     rec = {"L": length, "hq": hq, "hkv": hkv, "d": d, "g": g, "s": s, "sink_tokens": n,
            "slots": int(prepared[0].shape[1]),
-           "visible_scores": visible_score_count(length, g, s, n)}
+           "visible_scores": CCA(g, s, n).visible_scores(length)}
     for name, (fn, args) in progs.items():
         rec[name + "_ms"] = median_ms(fn, args, warmup=2, iters=iters)
         print(f"  N={n} hkv={hkv} {name}: {rec[name + '_ms']:.3f} ms", flush=True)

@@ -14,7 +14,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import AttentionPattern, cca_pattern, completed_slot, document_starts
+from cca_jax.attention.backend import Backend
+from cca_jax.blocks import CCA, AttentionPattern, completed_slot, document_starts
+
+# The dense path refuses lengths where its L x L float32 masks and logits would not fit.
+NAIVE_MAX_LEN = 16384
 
 
 def _document_positions(segment_ids, batch: int, length: int):
@@ -85,5 +89,20 @@ def attention_naive(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
 def cca_attention_naive(q, k, v, *, group_size: int, window_size: int, sink_tokens: int = 0,
                         pooling: str = "cca", segment_ids=None):
     """CCA attention by dense masks; same signature and result as `cca_attention`."""
-    return attention_naive(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return attention_naive(q, k, v, CCA(group_size, window_size, sink_tokens),
                            pooling=pooling, segment_ids=segment_ids)
+
+
+class NaiveBackend(Backend):
+    """`attention_naive` for tests and small L: every option, every platform; never picked
+    by `auto`."""
+
+    def _attention(self, q, k, v, pattern, *, pooling, segment_ids):
+        if q.shape[1] > NAIVE_MAX_LEN:
+            raise ValueError(
+                f"implementation='naive' builds L x L arrays; L={q.shape[1]} is over its limit "
+                f"of {NAIVE_MAX_LEN}. Use implementation='xla' or 'auto' (memory-linear).")
+        return attention_naive(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
+
+
+NAIVE = NaiveBackend("naive", None, "every platform", frozenset({"attention"}))

@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import AttentionPattern, cca_pattern, pattern_ranges
+from cca_jax.blocks import CCA, AttentionPattern, pattern_ranges
 
 
 def group_members(x: jax.Array, group_start: jax.Array | None, num_groups: int,
@@ -74,7 +74,13 @@ def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]`. `group_start` `[B, m]` (from
     `blocks.pattern_ranges`) places groups inside packed documents; None = plain groups.
     A group of one token is that token whatever the pooling (streaming's sinks, CCA g = 1).
+    Runs under `jax.named_scope("pooling")`.
     """
+    with jax.named_scope("pooling"):
+        return _pool_core_tokens(q, k, v, group_size, num_groups, pooling, group_start)
+
+
+def _pool_core_tokens(q, k, v, group_size: int, num_groups: int, pooling: str, group_start):
     b, _, hq, d = q.shape
     hkv = k.shape[2]
     if num_groups == 0:
@@ -171,5 +177,5 @@ def slots_and_bounds(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca"
 def core_tokens_and_bounds(q, k, v, *, group_size: int, window_size: int, pooling: str,
                            segment_ids=None, sink_tokens: int = 0):
     """`slots_and_bounds` for CCA with group `g`, window `s` and `N` sinks."""
-    return slots_and_bounds(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return slots_and_bounds(q, k, v, CCA(group_size, window_size, sink_tokens),
                             pooling=pooling, segment_ids=segment_ids)

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -71,10 +70,11 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from cca_jax.attention.pooling import pool_pattern_slots
-from cca_jax.attention.blocked import BLOCKED_IMPLEMENTATIONS, blocked_implementation
+from cca_jax.attention.backends import blocked_backend
+from cca_jax.attention.checks import check_inputs, check_option
 from cca_jax.attention.xla import default_blocking
 from cca_jax.blocks import AttentionPattern, pattern_ranges, slot_ends_bound, widest_window
-from cca_jax.sharding import LOGICAL_RULES
+from cca_jax.sharding import MESH_AXES, logical_spec
 
 __all__ = ["sequence_sharded_attention", "zigzag_permutation", "sequence_layout",
            "SequenceLayout", "SequenceSharding", "has_bounded_window", "halo_rows"]
@@ -185,22 +185,10 @@ def sequence_layout(pattern: AttentionPattern, length: int, shards: int, *,
     return SequenceLayout(shards, chunks, chunk, halo, m, capacity)
 
 
-def _axes_for(rule, size: int, mesh: Mesh, used: set) -> tuple[str, ...]:
-    """Mesh axes of `LOGICAL_RULES` that shard a dimension of `size` (as sharding.logical_spec,
-    restricted to the axes this mesh has)."""
-    names = [rule] if isinstance(rule, str) else list(rule or ())
-    chosen: list[str] = []
-    for name in names:
-        if name not in mesh.shape or name in used or mesh.shape[name] == 1:
-            continue
-        if size % (mesh.shape[name] * math.prod(mesh.shape[a] for a in chosen)):
-            continue
-        chosen.append(name)
-    used.update(chosen)
-    return tuple(chosen)
-
-
-def _spec_entry(axes: tuple[str, ...]):
+def _without(entry, axis: str):
+    """A PartitionSpec entry with mesh axis `axis` taken out (it shards the sequence)."""
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    axes = tuple(a for a in axes if a != axis)
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
@@ -339,23 +327,22 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     sharded over mesh axis `axis` (module docstring): halos by ppermute, slots all-gathered.
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (global arrays); segment_ids: optional
-    `[B, L]` ints (packed documents). Batch is split over the mesh axes of
-    `LOGICAL_RULES["batch"]` and heads over `LOGICAL_RULES["heads"]` where they divide it
-    (else replicated); the sequence over `axis`. layout: "natural" or "zigzag" (rows already
-    in `zigzag_permutation` order, output likewise; needs zigzag=True). implementation: what
-    each chunk runs (`attention.blocked.blocked_implementation`; "auto": the Pallas kernels
-    on GPU / TPU). Returns `[B, L, Hq, D]` in q's dtype, in the rows' layout.
+    `[B, L]` ints (packed documents). mesh: from `sharding.make_mesh`; batch and heads are
+    split as `sharding.logical_spec` says for the logical axes "batch" and "heads" (where
+    they divide them, else replicated), the sequence over `axis`. layout: "natural" or
+    "zigzag" (rows already in `zigzag_permutation` order, output likewise; needs
+    zigzag=True). implementation: what each chunk runs (`backends.blocked_backend`; "auto":
+    the Pallas kernels on GPU / TPU). Returns `[B, L, Hq, D]` in q's dtype, in the rows'
+    layout.
     """
-    from cca_jax.attention import _check_inputs   # lazy: the package may import this module
-    from cca_jax.attention.pooling import POOLING_FNS
-
-    _check_inputs(q, k, v, segment_ids)
-    if not isinstance(pattern, AttentionPattern):
-        raise ValueError(f"pattern must be a blocks.AttentionPattern, got {pattern!r}.")
-    if pooling not in POOLING_FNS:
-        raise ValueError(f"pooling must be one of {sorted(POOLING_FNS)}, got {pooling!r}.")
+    check_inputs(q, k, v, segment_ids)
+    check_option(pattern, pooling)
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    missing = [a for a in MESH_AXES if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"the mesh lacks the axes {missing}; build it with "
+                         f"cca_jax.sharding.make_mesh (axes {MESH_AXES}).")
     if axis not in mesh.shape:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: "
                          f"{tuple(mesh.axis_names)}).")
@@ -368,18 +355,16 @@ def sequence_sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     lay = sequence_layout(pattern, length, mesh.shape[axis], zigzag=zigzag,
                           packed=segment_ids is not None)
 
-    used = {axis}
-    batch = _spec_entry(_axes_for(LOGICAL_RULES["batch"], b, mesh, used))
-    heads = _spec_entry(_axes_for(LOGICAL_RULES["heads"], hkv, mesh, used))
+    spec = logical_spec(("batch", None, "heads", None), (b, length, hkv, q.shape[3]), mesh)
+    batch, heads = _without(spec[0], axis), _without(spec[2], axis)
     x_spec = PartitionSpec(batch, axis, heads, None)
     seg_spec = PartitionSpec(batch, axis)
     # check_vma=False: blocked_attention's loops start from unsharded zeros (an invariant
     # carry that the body makes varying); the per-shard program is the same either way.
-    name = blocked_implementation(implementation, pattern=pattern, head_dim=q.shape[-1],
-                                  dtype=q.dtype)
+    backend = blocked_backend(implementation, pattern, head_dim=q.shape[-1], dtype=q.dtype)
     body = functools.partial(_shard, pattern=pattern, pooling=pooling, lay=lay, axis=axis,
                              zigzag=zigzag, natural=layout == "natural",
-                             blocked=BLOCKED_IMPLEMENTATIONS[name])
+                             blocked=backend.blocked)
     if segment_ids is None:
         fn = jax.shard_map(lambda q_, k_, v_: body(q_, k_, v_, None), mesh=mesh,
                            in_specs=(x_spec, x_spec, x_spec), out_specs=x_spec,

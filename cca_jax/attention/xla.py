@@ -25,8 +25,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cca_jax.attention.backend import Backend
+from cca_jax.attention.cached import decode_attention_xla
 from cca_jax.attention.pooling import slots_and_bounds
-from cca_jax.blocks import AttentionPattern, cca_pattern, core_blocks_for_rows
+from cca_jax.blocks import CCA, AttentionPattern, core_blocks_for_rows
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 
 _MASKED = -1e30  # finite: max over a fully masked block stays finite (no inf - inf)
@@ -62,7 +64,7 @@ def cca_attention_xla(q, k, v, *, group_size: int, window_size: int, sink_tokens
                       pooling: str = "cca", segment_ids=None, block_q: int | None = None,
                       block_c: int | None = None):
     """CCA attention, blocked; same signature and result as `cca_attention`."""
-    return attention_xla(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
+    return attention_xla(q, k, v, CCA(group_size, window_size, sink_tokens),
                          pooling=pooling, segment_ids=segment_ids, block_q=block_q,
                          block_c=block_c)
 
@@ -247,3 +249,19 @@ def _blocked_bwd(blocking, residuals, dout):
 
 
 blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+class XlaBackend(Backend):
+    """Plain XLA on every platform, every option, dtype and head dim: `auto`'s last choice."""
+
+    def _attention(self, q, k, v, pattern, *, pooling, segment_ids):
+        return attention_xla(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
+
+    def _blocked(self, q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window):
+        return blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)
+
+    def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
+        return decode_attention_xla(q, k_all, v_all, ck, cv, layer, pattern, positions)
+
+
+XLA = XlaBackend("xla", None, "every platform", frozenset({"attention", "blocked", "decode"}))

@@ -2,8 +2,8 @@
 
 `blocked_attention_pallas_gpu` runs one softmax per row over raw keys `[raw_lo, t]` and slots
 `[core_lo, core_hi)` of prepared keys/values: every attention option of the model (full,
-sliding, streaming, CCA) is such a pattern. `cca_attention_pallas_gpu` prepares CCA's core
-tokens and bounds and calls it.
+sliding, streaming, CCA) is such a pattern. The slots and bounds are prepared by the caller
+(`cca_jax.attention.pallas_gpu`, which pools the core tokens).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cca_jax.attention.pooling import core_tokens_and_bounds
 from pallas_kernels.shapes import check_blocked_inputs
 from pallas_kernels.gpu.kernels import (SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention,
                                         check_config)
@@ -91,22 +90,3 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     outs = [cca_core_attention(*(x[i:i + chunk] for x in args), cfg)
             for i in range(0, b, chunk)]
     return jnp.concatenate(outs, axis=0)
-
-
-def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
-                             sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
-                             interpret=None, **tiling):
-    """CCA attention (SPEC.md; `sink_tokens`: section 6) through Pallas' Triton lowering;
-    result as `cca_attention_xla`. The sinks are slots like the core tokens: the kernels are
-    the same.
-
-    q: `[B, L, Hq, D]`, k, v: `[B, L, Hkv, D]` with D in (64, 128). `tiling`: KernelConfig
-    field overrides (block_q, block_k, num_warps, num_stages tile the forward kernel;
-    dq_block_q, dkv_block_k, ... the backward ones). interpret defaults to True on the CPU
-    backend.
-    """
-    _check_head_dim(q.shape[-1])   # before pooling: a clear error, not a kernel failure
-    prepared = core_tokens_and_bounds(q, k, v, group_size=group_size, window_size=window_size,
-                                      sink_tokens=sink_tokens, pooling=pooling,
-                                      segment_ids=segment_ids)
-    return blocked_attention_pallas_gpu(q, k, v, *prepared, interpret=interpret, **tiling)

@@ -1,13 +1,13 @@
 """CCA attention through Pallas' Triton lowering: forward, dq, dk/dv and dck/dcv kernels.
 
-Layout: q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`, core tokens ck/cv `[B, m, Hq, D]` (pooled in
-XLA, see `cca_jax.attention.pooling`), per-row int32 bounds raw_lo/core_lo/core_hi `[B, L]`
-from `cca_jax.blocks.row_ranges`. Nothing is transposed; sequences are zero-padded to whole
+Layout: q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`, slots ck/cv `[B, m, Hq, D]` (prepared by the
+caller: `cca_jax.attention.pallas_gpu` pools them in XLA), per-row int32 bounds
+raw_lo/core_lo/core_hi `[B, L]` (`cca_jax.blocks.pattern_ranges`). Nothing is transposed; sequences are zero-padded to whole
 blocks (padded rows see only their own zero key, so every loaded value is finite; in
 interpret mode nothing is ever read out of bounds).
 
 Kernels (grid dims: block, head, batch, at most 3 as the Triton lowering requires; launch order
-heavy first where that measured faster, see `KernelConfig.forward_heavy_first`):
+heavy first where that is faster, see `KernelConfig.forward_heavy_first`):
   forward   per (query block, query head): ONE online softmax, base 2, over the raw-window
             key blocks first (every row sees its own key, so the running max is finite
             before any fully masked block) and then the core blocks; only edge blocks
@@ -19,9 +19,8 @@ heavy first where that measured faster, see `KernelConfig.forward_heavy_first`):
             on `blocks.raw_key_rows`); GQA gradients are summed in registers, no partials.
   dcore     per (core block, query head), heads on the fastest grid axis: loops over the
             query blocks that see the slots (`blocks.core_slot_rows`).
-A fused backward (dq added with float32 atomics inside dkv and dcore: 5 matmuls per score
-instead of 7) was built and measured on the H200: 271 ms forward+backward at 128K against
-112 ms for these separate kernels (atomic contention), so it was removed.
+The backward keeps dq separate from dkv and dcore: folding dq in with float32 atomics is
+slower under atomic contention (benchmarks/results/pallas_gpu_h200_notes.md).
 The block-visit arithmetic all comes from `cca_jax.blocks`; per-block bounds are the first
 and last rows' values (bounds are monotone along rows, keys and slots).
 """
@@ -55,8 +54,8 @@ class KernelConfig(NamedTuple):
     """Static tiling, block walks and launch orders of all four kernels (hashable: a
     custom_vjp non-diff argument; every field is read when the kernels trace, so a jit cache
     keyed on the config sees every change)."""
-    # Defaults: the fastest tiling of the H200 sweep at L = 131072, Hq = Hkv = 32, D = 128,
-    # bf16 (benchmarks/results/pallas_gpu_h200.md); each fits sm_90's shared memory.
+    # Defaults: the fastest tiling of the H200 sweep for bf16 at the paper's 128K shape
+    # (benchmarks/results/pallas_gpu_h200.md); each fits sm_90's shared memory.
     block_q: int = 128          # forward
     block_k: int = 128
     num_warps: int = 8
@@ -74,10 +73,8 @@ class KernelConfig(NamedTuple):
     dc_num_warps: int = 8
     dc_num_stages: int = 3
     # How each kernel walks its blocks (a key of LOOP_STYLES): the faster of the two per
-    # kernel on the H200 (benchmarks/research/pallas_gpu_loop_styles.py,
-    # results/research/pallas_gpu_loop_styles_h200.jsonl): one loop with a branch saves the
-    # forward 6% at 32K (3.08 vs 3.27 ms; equal at 128K), while the backward kernels are 1-4%
-    # faster with split loops. key_loop_style: the dk/dv and dck/dcv kernels.
+    # kernel on the H200 (measurements: benchmarks/results/pallas_gpu_h200_notes.md).
+    # key_loop_style: the dk/dv and dck/dcv kernels.
     forward_loop_style: str = "cond"
     dq_loop_style: str = "split"
     key_loop_style: str = "split"
@@ -85,11 +82,8 @@ class KernelConfig(NamedTuple):
     # sequence while a core block's shrinks, so the last CTAs launched can be a kernel's
     # heaviest and run on alone. Heavy first: the forward and dq take query blocks last to
     # first; dck/dcv puts the heads on the fastest grid axis, so every head's heaviest core
-    # blocks start together (a 132-SM greedy schedule of the work per CTA predicted tails of
-    # 5.9% at 128K and 30% at 32K). H200, Hq = Hkv = 32, kernel alone, off vs on
-    # (benchmarks/results/research/pallas_gpu_variants_h200.jsonl): forward 25.48 vs 25.30 ms
-    # at 128K, 3.17 vs 3.15 at 32K; dck/dcv 36.69 vs 34.77 and 2.90 vs 2.41; dq 30.74 vs 31.15
-    # and 3.57 vs 3.64, so dq keeps the plain order.
+    # blocks start together. Each default is the faster order of that kernel on the H200
+    # (dq keeps the plain order; measurements: benchmarks/results/pallas_gpu_h200_notes.md).
     forward_heavy_first: bool = True
     dq_heavy_first: bool = False
     dcore_heavy_first: bool = True

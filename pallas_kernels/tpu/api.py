@@ -2,9 +2,8 @@
 
 `blocked_attention_pallas_tpu` runs one softmax per row over raw keys `[raw_lo, t]` and slots
 `[core_lo, core_hi)` of prepared keys/values: every attention option (full, sliding,
-streaming, CCA) is such a pattern, so these kernels serve all of them. `attention_pallas_tpu`
-prepares a pattern's slots and bounds (`cca_jax.attention.pooling.slots_and_bounds`) and calls
-it; `cca_attention_pallas_tpu` is its CCA form.
+streaming, CCA) is such a pattern, so these kernels serve all of them. The slots and bounds
+are prepared by the caller (`cca_jax.attention.pallas_tpu`, which pools the core tokens).
 
 Padding happens outside the custom VJP (autodiff slices the gradients back): rows to a
 multiple of lcm(block_q, block_k) (padded rows see only their own zero key,
@@ -23,8 +22,6 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from cca_jax import blocks
-from cca_jax.attention.pooling import slots_and_bounds
-from cca_jax.blocks import AttentionPattern, cca_pattern
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 from pallas_kernels.tpu import key_kernels, query_kernels
 from pallas_kernels.tpu.common import LANES, KernelConfig, check_config, head_view, row_layout
@@ -65,11 +62,9 @@ def _plan(cfg: KernelConfig, length: int, padded_len: int, padded_slots: int, gr
     scale = 1.0 / math.sqrt(head_dim)
     nq, nk = padded_len // cfg.block_q, padded_len // cfg.block_k
     nc = padded_slots // cfg.block_c
-    # Bounds from the widest raw window; a "full" pattern of that width is the same bound.
-    widest = AttentionPattern("sliding", window_size=max(1, min(window, length)))
-    raw_steps, _ = blocks.query_block_steps(widest, length, padded_len, cfg.block_q,
-                                            cfg.block_k, nc)
-    key_steps = blocks.key_block_steps(widest, length, padded_len, cfg.block_k, cfg.block_q)
+    width = max(1, min(window, length))     # the most raw keys any row sees
+    raw_steps, _ = blocks.query_block_steps(width, padded_len, cfg.block_q, cfg.block_k, nc)
+    key_steps = blocks.key_block_steps(width, padded_len, cfg.block_k, cfg.block_q)
     query = QueryWalk(raw_steps, nc, nq, nk, nc, groups, padded_head_dim, scale)
     raw_keys = KeyWalk(key_steps, groups, nq, nk, padded_head_dim, scale, slots=False)
     slots = KeyWalk(nq, 1, nq, nc, padded_head_dim, scale, slots=True) if nc else None
@@ -166,27 +161,6 @@ def blocked_attention_pallas_tpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     rlo, clo, chi = pad_row_bounds(*(x.astype(jnp.int32) for x in bounds), lp)
     out = _attention(qp, kp, vp, ckp, cvp, rlo, clo, chi, plan)
     return out[:, :length, :, :d]
-
-
-def attention_pallas_tpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
-                         segment_ids=None, interpret=None, **tiling):
-    """Attention under `pattern` (full, sliding, streaming, cca) through the TPU kernels;
-    same result as `cca_jax.attention.run_attention`."""
-    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
-                                       segment_ids=segment_ids)
-    window = blocks.widest_window(pattern, q.shape[1])
-    return blocked_attention_pallas_tpu(q, k, v, ck, cv, *bounds, window=window,
-                                        interpret=interpret, **tiling)
-
-
-def cca_attention_pallas_tpu(q, k, v, *, group_size: int, window_size: int,
-                             sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
-                             interpret=None, **tiling):
-    """CCA attention (SPEC.md; `sink_tokens`: section 6) through the TPU kernels; same result
-    as `cca_attention`."""
-    return attention_pallas_tpu(q, k, v, cca_pattern(group_size, window_size, sink_tokens),
-                                pooling=pooling, segment_ids=segment_ids,
-                                interpret=interpret, **tiling)
 
 
 def decode_attention_pallas_tpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,

@@ -1,0 +1,83 @@
+"""The Pallas GPU (Triton lowering) backend: slots and bounds prepared here, then the
+kernels of `pallas_kernels.gpu` (imported lazily: an optional accelerator).
+
+`attention_pallas_gpu` / `cca_attention_pallas_gpu` take the kernels' tiling overrides and
+`interpret` (default: True on the CPU backend) for tests and sweeps; the backend object
+`PALLAS_GPU` is what `run_attention`, the prefill and the decode step call.
+"""
+
+from __future__ import annotations
+
+from cca_jax import blocks
+from cca_jax.attention.backend import Backend
+from cca_jax.attention.pooling import slots_and_bounds
+from cca_jax.blocks import CCA, AttentionPattern
+
+# Head dims the decode step runs the decode kernel for (the kernel takes more, see
+# `pallas_kernels.gpu.SUPPORTED_DECODE_HEAD_DIMS`; the XLA form serves the others).
+DECODE_HEAD_DIMS = (64, 128, 256)
+
+
+def _check_head_dim(d: int) -> None:
+    from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"implementation='pallas_gpu' supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
+            "use implementation='xla' (or 'auto', which falls back to it).")
+
+
+def attention_pallas_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
+                         segment_ids=None, interpret=None, **tiling):
+    """Attention under `pattern` through the Pallas GPU kernels; the result of
+    `run_attention`. `tiling`: `pallas_kernels.gpu.kernel_config` field overrides."""
+    from pallas_kernels.gpu import blocked_attention_pallas_gpu
+    _check_head_dim(q.shape[-1])   # before pooling: a clear error, not a kernel failure
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
+                                       segment_ids=segment_ids)
+    return blocked_attention_pallas_gpu(q, k, v, ck, cv, *bounds, interpret=interpret,
+                                        **tiling)
+
+
+def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
+                             sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
+                             interpret=None, **tiling):
+    """CCA attention (SPEC.md; `sink_tokens`: section 6) through the Pallas GPU kernels;
+    the result of `cca_attention`. D in (64, 128). `tiling`: KernelConfig field overrides
+    (block_q, block_k, num_warps, num_stages tile the forward kernel; dq_block_q,
+    dkv_block_k, ... the backward ones)."""
+    return attention_pallas_gpu(q, k, v, CCA(group_size, window_size, sink_tokens),
+                                pooling=pooling, segment_ids=segment_ids, interpret=interpret,
+                                **tiling)
+
+
+class PallasGpuBackend(Backend):
+    """Every option, packed or not, any float dtype; head_dim in the kernels'
+    `SUPPORTED_HEAD_DIMS` (decode: `DECODE_HEAD_DIMS`)."""
+
+    def _refuses(self, option, platform, dtype, head_dim, packed, entry):
+        if entry == "decode":
+            dims = DECODE_HEAD_DIMS
+        else:
+            from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS as dims
+        if head_dim not in dims:
+            return f"it supports head_dim in {dims}, not {head_dim}"
+        return None
+
+    def _attention(self, q, k, v, pattern, *, pooling, segment_ids):
+        return attention_pallas_gpu(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
+
+    def _blocked(self, q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window):
+        from pallas_kernels.gpu import blocked_attention_pallas_gpu
+        return blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi)
+
+    def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
+        from pallas_kernels.gpu import decode_attention_pallas_gpu
+        bounds = blocks.decode_bounds(pattern, positions, k_all.shape[2], ck.shape[2])
+        return decode_attention_pallas_gpu(q, k_all, v_all, ck, cv, bounds, layer=layer,
+                                           out_dtype=q.dtype)
+
+
+PALLAS_GPU = PallasGpuBackend("pallas_gpu", ("gpu",),
+                              "NVIDIA GPUs (or in interpret mode on CPU)",
+                              frozenset({"attention", "blocked", "decode"}),
+                              interprets_on_cpu=True)

@@ -1,0 +1,60 @@
+"""The backend registry's `supports` reasons and the resolvers of the prefill and decode
+entries, on named platforms (no device needed: resolution only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cca_jax.attention.backends import BACKENDS, blocked_backend, decode_backend, resolve
+from cca_jax.blocks import CCA, Full, Streaming
+
+PAPER = CCA(16, 1024)
+
+
+def test_supports_gives_the_reason():
+    cudnn, xla = BACKENDS["cudnn"], BACKENDS["xla"]
+    assert "does not compute attention='cca'" in cudnn.supports(PAPER, "gpu", "bfloat16", 128,
+                                                                False)
+    assert "packed rows" in cudnn.supports(Full(), "gpu", "bfloat16", 128, True)
+    assert "float32" in cudnn.supports(Full(), "gpu", "float32", 128, False)
+    assert "NVIDIA GPU" in cudnn.supports(Full(), "tpu", "bfloat16", 128, False)
+    assert cudnn.supports(Full(), "cuda", "bfloat16", 128, False) is None
+    assert "no blocked entry" in cudnn.supports(Full(), "gpu", "bfloat16", 128, False, "blocked")
+    for entry in ("attention", "blocked", "decode"):
+        assert xla.supports(Streaming(8), "tpu", "float32", 96, True, entry) is None
+    assert BACKENDS["pallas_gpu"].supports(PAPER, "cpu", "float32", 64, True) is None  # interpret
+    assert "head_dim" in BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 96, False)
+
+
+def test_explicit_requests_that_cannot_run_name_the_fix():
+    with pytest.raises(ValueError, match="no decode entry.*implementation='xla'"):
+        BACKENDS["naive"].require(PAPER, "cpu", "float32", 64, False, "decode")
+    with pytest.raises(ValueError, match="not on the 'cpu' backend.*implementation='auto'"):
+        resolve("cudnn", Full(), platform="cpu")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        resolve("triton", PAPER)
+
+
+def test_auto_never_interprets():
+    """On CPU the kernels run only through interpreters: `auto` takes xla there."""
+    for entry in ("attention", "blocked", "decode"):
+        assert resolve("auto", PAPER, platform="cpu", entry=entry).name == "xla"
+
+
+def test_prefill_and_decode_entries():
+    def blocked(impl, option, d=128, platform="gpu"):
+        return blocked_backend(impl, option, head_dim=d, dtype="bfloat16", platform=platform).name
+
+    def decode(impl, option, d=128, platform="gpu"):
+        return decode_backend(impl, option, head_dim=d, dtype="bfloat16", platform=platform).name
+
+    assert blocked("auto", Full()) == "pallas_gpu"          # cuDNN has no per-row bounds
+    assert blocked("cudnn", Full()) == "pallas_gpu"
+    assert blocked("naive", PAPER, platform="cpu") == "xla"
+    assert blocked("auto", PAPER, d=96) == "xla"
+    assert blocked("auto", PAPER, platform="tpu") == "pallas_tpu"
+    assert decode("auto", PAPER) == "pallas_gpu"
+    assert decode("auto", PAPER, d=96) == "xla"
+    assert decode("auto", PAPER, d=64, platform="tpu") == "xla"   # 128 lanes on a TPU
+    assert decode("auto", PAPER, d=128, platform="tpu") == "pallas_tpu"
+    assert decode("pallas_tpu", PAPER, d=64, platform="cpu") == "pallas_tpu"   # interpreter
