@@ -16,11 +16,11 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from cca_jax.blocks import cca_pattern, core_blocks_for_rows, raw_blocks_for_rows  # noqa: E402
+from cca_jax.blocks import CCA, core_blocks_for_rows, raw_blocks_for_rows  # noqa: E402
 
 
 def count(length: int, block: int, sinks: int, group: int = 16, window: int = 1024):
-    pattern = cca_pattern(group, window, sinks)
+    pattern = CCA(group, window, sinks)
     t = np.arange(length)
     raw_lo, slots = np.asarray(pattern.raw_start(t)), np.asarray(pattern.num_slots(t))
     raw = core = 0
