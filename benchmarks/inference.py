@@ -10,7 +10,7 @@
 One attention option (or transformers' sdpa LLaMA) per process, so each peak memory is its
 own. A LLaMA-2-7B-shaped model with random bf16 weights (`--shape tiny` for a CPU check).
 For each context C (B prompts of C random tokens):
-  * time to first token: `cca_jax.decode.prefill` of the prompts (in chunks of `--chunk`;
+  * time to first token: `cca_jax.prefill.prefill` of the prompts (in chunks of `--chunk`;
     default one chunk) into a fresh cache, plus the greedy first token, measured on a second
     run (the first compiles; its time is recorded as `first_call_s`);
   * decode: greedy steps after that prefill through `cca_jax.generate.decode_loop`, as
@@ -110,7 +110,8 @@ def bench_ours(kind: str, args) -> list[dict]:
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
-    from cca_jax.decode import decode_implementation, offset_implementation, prefill
+    from cca_jax.decode import decode_implementation, offset_implementation
+    from cca_jax.prefill import prefill
     from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
     from cca_jax.model import LlamaForCausalLM
 

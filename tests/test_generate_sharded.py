@@ -9,7 +9,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cca_jax.config import LlamaConfig
-from cca_jax.decode import decode_step, prefill
+from cca_jax.decode import decode_step
+from cca_jax.prefill import prefill
 from cca_jax.kv_cache import KVCache, init_cache
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import make_mesh

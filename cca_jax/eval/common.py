@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from cca_jax.generate import UsageError, attention_overrides, check_checkpoint, load_tokenizer
+from cca_jax.cli import UsageError, attention_overrides, check_checkpoint
+from cca_jax.tokenizer import load_tokenizer
 
 
 def check_positive(name: str, value, *, zero_ok: bool = False) -> None:

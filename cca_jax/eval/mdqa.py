@@ -160,9 +160,9 @@ def by_gold_position(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_mdqa(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval mdqa`: (JSON record, markdown table)."""
+    from cca_jax.cli import UsageError
     from cca_jax.eval.common import (attention_record, check_checkpoint, check_positive,
                                      load_checkpoint_tokenizer, load_model, markdown_table)
-    from cca_jax.generate import UsageError
 
     check_checkpoint(a.ckpt)
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--batch-size", a.batch_size),

@@ -146,9 +146,9 @@ def summarize(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_passkey(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval passkey`: (JSON record, markdown table by length x depth)."""
+    from cca_jax.cli import UsageError
     from cca_jax.eval.common import (attention_record, check_checkpoint, check_positive,
                                      load_checkpoint_tokenizer, load_model, markdown_table)
-    from cca_jax.generate import UsageError
 
     check_checkpoint(a.ckpt)
     check_positive("--samples", a.samples)
