@@ -46,10 +46,30 @@ def add_attention_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The flags that change how a checkpoint runs: its attention option and its dtype."""
+    """The flags that change how a checkpoint runs: its attention option, its dtype and the
+    devices it runs on."""
     add_attention_args(ap)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="parameter and activation dtype (default: the checkpoint's)")
+    ap.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                    help="run over several devices: a mesh of axis=size pairs over data, "
+                    "fsdp, tensor, sequence (e.g. data=2,tensor=4; one size may be -1); "
+                    "parameters and the KV cache are sharded by cca_jax.sharding's "
+                    "logical-axis table (default: one device)")
+
+
+def mesh_from_args(a):
+    """The `jax.sharding.Mesh` that `--mesh` asks for, or None; UsageError when the devices
+    cannot make it."""
+    text = getattr(a, "mesh", None)
+    if text is None:
+        return None
+    from cca_jax.sharding import make_mesh, parse_mesh
+
+    try:
+        return make_mesh(parse_mesh(text))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def attention_overrides(a) -> dict:

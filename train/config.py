@@ -18,7 +18,7 @@ from typing import Any
 from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.blocks import ATTENTION_KINDS
 from cca_jax.config import DTYPES, REMAT_POLICIES
-from cca_jax.sharding import MESH_AXES
+from cca_jax.sharding import parse_mesh
 
 TRAINABLE = {
     # which parameters train; the rest are frozen and get no optimizer state
@@ -184,14 +184,7 @@ class TrainConfig:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        shape = {}
-        for part in filter(None, self.mesh.split(",")):
-            name, _, size = part.partition("=")
-            if name not in MESH_AXES or not size.lstrip("-").isdigit():
-                raise ValueError(f"--mesh {self.mesh!r}: expected axis=size pairs over "
-                                 f"{MESH_AXES}, e.g. 'fsdp=4,sequence=2' (one size may be -1).")
-            shape[name] = int(size)
-        return shape
+        return parse_mesh(self.mesh)
 
     def model_overrides(self) -> dict[str, Any]:
         """LlamaConfig overrides this run asks for (flat, as `from_pretrained` takes them)."""

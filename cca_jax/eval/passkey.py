@@ -110,9 +110,10 @@ def exact_match(prediction: str, answer: str) -> bool:
 
 def evaluate(model, tokenizer, samples: Sequence[Sample], *, batch_size: int = 1,
              max_new_tokens: int | None = None, chunk_size: int = 2048,
-             progress: bool = True) -> list[dict[str, Any]]:
+             progress: bool = True, mesh=None) -> list[dict[str, Any]]:
     """Greedy answers for every sample: a list of {length, depth, answer, prediction,
-    correct}. Prompts of one length run in batches of `batch_size`."""
+    correct}. Prompts of one length run in batches of `batch_size`, over `mesh`'s devices
+    when given (`generate`'s `mesh`)."""
     from tqdm import tqdm
 
     from cca_jax.generate import generate
@@ -124,7 +125,7 @@ def evaluate(model, tokenizer, samples: Sequence[Sample], *, batch_size: int = 1
     for b0 in range(0, len(samples), batch_size):
         batch = samples[b0:b0 + batch_size]
         new = generate(model, [s.input_ids for s in batch], max_new_tokens=max_new_tokens,
-                       chunk_size=chunk_size)
+                       chunk_size=chunk_size, mesh=mesh)
         for s, ids in zip(batch, new):
             text = tokenizer.decode(ids, skip_special_tokens=True)
             out.append({"length": s.length, "depth": s.depth, "prompt_tokens": len(s.input_ids),
@@ -146,7 +147,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_passkey(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval passkey`: (JSON record, markdown table by length x depth)."""
-    from cca_jax.cli import UsageError
+    from cca_jax.cli import UsageError, mesh_from_args
     from cca_jax.eval.common import (attention_record, check_checkpoint, check_positive,
                                      load_checkpoint_tokenizer, load_model, markdown_table)
 
@@ -178,7 +179,7 @@ def run_passkey(a) -> tuple[dict[str, Any], str]:
                          "fine-tuned (or rope-scaled) that long.")
     results = evaluate(model, tokenizer, samples, batch_size=a.batch_size,
                        max_new_tokens=new_tokens, chunk_size=a.chunk_size,
-                       progress=not a.no_progress)
+                       progress=not a.no_progress, mesh=mesh_from_args(a))
     cells = summarize(results)
     accuracy = sum(r["correct"] for r in results) / len(results)
     record = {"task": "passkey", "task_kind": a.task, "ckpt": str(a.ckpt),

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from cca_jax import blocks
 from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_step_traced
@@ -29,6 +30,7 @@ from cca_jax.kv_cache import cache_bytes, cache_shapes, full_cache_bytes, init_c
 from cca_jax.padding import round_up
 from cca_jax.prefill import DEFAULT_CHUNK_SIZE, compile_prefill, prefill
 from cca_jax.sampling import check_sampling, sample
+from cca_jax.sharding import cache_shardings, shard_model
 
 # Prompt widths and default max_len are rounded up to this, so prompts of similar lengths
 # share one compiled prefill and decode step.
@@ -103,11 +105,14 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
                     top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                     stop_at_eos: bool = True, max_len: int | None = None,
                     chunk_size: int = DEFAULT_CHUNK_SIZE, eos_token_id=_FROM_CONFIG,
-                    stats: GenerationStats | None = None,
+                    stats: GenerationStats | None = None, mesh: Mesh | None = None,
                     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """`generate`, one step at a time: yields `(tokens [B], emitted [B] bool)` per step, where
     `emitted[b]` says whether `tokens[b]` is part of prompt `b`'s output (False once it
     finished). `eos_token_id`: default `model.config.eos_token_id` (an int or a tuple)."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (cca_jax.sharding.make_mesh), "
+                         f"got {type(mesh).__name__}.")
     cfg = model.config
     if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
             or max_new_tokens < 0):
@@ -136,7 +141,11 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
     pad = cfg.pad_token_id
     pad = pad if pad is not None and 0 <= pad < cfg.vocab_size else 0
 
-    cache = init_cache(cfg, batch, max_len)
+    cache_sharding = None
+    if mesh is not None:   # parameters and cache over the mesh, by the logical-axis table
+        shard_model(model, mesh)
+        cache_sharding = cache_shardings(cache_shapes(cfg, batch, max_len), mesh)
+    cache = init_cache(cfg, batch, max_len, sharding=cache_sharding)
     chunk_size = min(chunk_size, width)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     start = time.perf_counter()   # compile the prefill's programs and sampling's, untimed
@@ -247,7 +256,8 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
 def generate(model, input_ids, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              stop_at_eos: bool = True, max_len: int | None = None,
-             chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[list[int]]:
+             chunk_size: int = DEFAULT_CHUNK_SIZE, mesh: Mesh | None = None
+             ) -> list[list[int]]:
     """New token ids per prompt.
 
     model: a `LlamaForCausalLM` (e.g. `cca_jax.from_pretrained(dir)`), any attention option.
@@ -256,13 +266,17 @@ def generate(model, input_ids, *, max_new_tokens: int, temperature: float = 0.0,
     `stop_at_eos`, a prompt's output ends with the model's EOS token (config.eos_token_id)
     when it emits one. max_len: the cache's capacity in tokens (default: the longest prompt
     plus max_new_tokens, rounded up). chunk_size: prefill chunk (memory: cache + one chunk).
+    mesh: a `jax.sharding.Mesh` (`cca_jax.sharding.make_mesh`) to run over several devices:
+    the model's parameters are placed on it (in place: the model stays there) and the cache
+    is created on it, both by the logical-axis table of `cca_jax.sharding` (rows over
+    data x fsdp, heads over tensor). The tokens are the same as on one device.
     """
     prompts = _check_prompts(input_ids, model.config.vocab_size)
     out: list[list[int]] = [[] for _ in prompts]
     for tokens, emitted in stream_generate(
             model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos, max_len=max_len,
-            chunk_size=chunk_size):
+            chunk_size=chunk_size, mesh=mesh):
         for row in np.flatnonzero(emitted):
             out[row].append(int(tokens[row]))
     return out

@@ -5,7 +5,8 @@
 streams the continuation to stdout as text; the prompt tokens, compilation time (every
 program is compiled before the clocks start), time to first token, decode speed and KV cache
 size go to stderr. `--attention/--group-size/--window-size/--sink-tokens`
-override the checkpoint's attention settings (CCA's inference flexibility).
+override the checkpoint's attention settings (CCA's inference flexibility); `--mesh`
+(e.g. `data=2,tensor=4`) shards the parameters and the KV cache over several devices.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cca_jax.cli import UsageError, add_model_args, attention_overrides, check_checkpoint
+from cca_jax.cli import (UsageError, add_model_args, attention_overrides, check_checkpoint,
+                         mesh_from_args)
 from cca_jax.generate import LENGTH_BUCKET, GenerationStats, stream_generate
 from cca_jax.prefill import DEFAULT_CHUNK_SIZE
 from cca_jax.sampling import check_sampling
@@ -110,6 +112,7 @@ def run(a, out=None, err=None) -> int:
         print(f"note: generating {new_tokens} tokens to stay within --max-len {a.max_len}",
               file=err)
 
+    mesh = mesh_from_args(a)
     from cca_jax.pretrained import from_pretrained
     try:
         model = from_pretrained(ckpt, dtype=a.dtype, **attention_overrides(a))
@@ -134,7 +137,7 @@ def run(a, out=None, err=None) -> int:
         for tokens, emitted in stream_generate(
                 model, [prompt_ids], max_new_tokens=new_tokens, temperature=temperature,
                 top_k=a.top_k, top_p=a.top_p, seed=a.seed, max_len=a.max_len,
-                chunk_size=a.chunk_size, stats=stats):
+                chunk_size=a.chunk_size, stats=stats, mesh=mesh):
             if emitted[0]:
                 stream.put(int(tokens[0]))
     except ValueError as e:
