@@ -37,7 +37,6 @@ argmax agreement between one prefill and a prefill in chunks of N) and `<out>.md
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -68,10 +67,8 @@ def _max_len(context: int, decode_tokens: int) -> int:
 
 
 def _where(extra: dict) -> dict:
-    import jax
-    return dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=str(datetime.date.today()),
-                command="python benchmarks/inference.py " + " ".join(sys.argv[1:]), **extra)
+    from benchmarks.measure import stamp
+    return dict(stamp(), **extra)
 
 
 def decode_times(model, cache, token, context: int, steps: int) -> list[float]:

@@ -11,7 +11,7 @@ The protocol (`perplexity(model, ids, seq_len, stride)`):
 - ppl = exp(mean negative log-likelihood over all scored tokens).
 
 Logits never exist for a whole window: the final hidden states are cut into chunks of
-`chunk` positions and `train.step.chunk_cross_entropy` (the training loss) gives each
+`chunk` positions and `cca_jax.losses.chunk_cross_entropy` (the training loss) gives each
 chunk's summed NLL, which is also the perplexity-by-position curve.
 """
 
@@ -90,7 +90,7 @@ def chunk_nll_fn(model, chunk: int):
     over window positions cut into chunks of `chunk` (one compile per batch shape)."""
     from flax import nnx
 
-    from train.step import chunk_cross_entropy
+    from cca_jax.losses import chunk_cross_entropy
 
     graphdef, _ = nnx.split(model)
 
