@@ -18,17 +18,18 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import types
 from typing import Any, Sequence
 
 TASKS = ("passkey", "niah")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again.")
-INTRO = {
+INTRO = types.MappingProxyType({
     "passkey": ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                 "memorize it. I will quiz you about the important information there."),
     "niah": ("Some special magic numbers are hidden within the following text. Make sure to "
              "memorize it. I will quiz you about the numbers afterwards."),
-}
+})
 KEY_WORDS = ("apple", "anchor", "badge", "canyon", "cellar", "comet", "crystal", "dolphin",
              "ember", "falcon", "garnet", "harbor", "island", "jasmine", "lantern", "maple",
              "meadow", "nectar", "orchid", "pepper", "quartz", "raven", "saddle", "tiger",
