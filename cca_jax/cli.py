@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+
 class UsageError(Exception):
     """Bad input the user can fix; printed as `error: ...` with exit status 2."""
 
@@ -23,6 +24,7 @@ def check_checkpoint(ckpt) -> Path:
         raise UsageError(f"{e} Is --ckpt a converted checkpoint "
                          "(python -m convert.hf_to_flax) or a train/ export?") from None
     return path
+
 
 ATTENTION_FLAGS = ("attention", "group_size", "window_size", "sink_tokens")
 

@@ -41,6 +41,7 @@ CCA_CONFIG_KEY = "cca_attention"
 # streaming default), so it loads as plain CCA (0 sinks).
 ATTENTION_RECORD_FORMAT = 2
 
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -456,6 +457,6 @@ def _hf_sliding_window(hf: Mapping[str, Any], model_type: str) -> int | None:
     _require(kinds == {"sliding_attention"},
              f"This {model_type} config mixes sliding and full attention across layers "
              f"({layer_types.count('sliding_attention')} of {len(layer_types)} sliding); "
-             "cca-jax runs one attention option in every layer. Set use_sliding_window to false (or "
-             "sliding_window to null) in config.json to load it with full attention.")
+             "cca-jax runs one attention option in every layer. Set use_sliding_window to false "
+             "(or sliding_window to null) in config.json to load it with full attention.")
     return int(window)

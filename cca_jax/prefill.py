@@ -186,7 +186,8 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
                                                 pooling=cfg.attention.pooling,
                                                 group_start=start,
                                                 group_last=start + length - 1)
-            ck, cv = scatter_into_layer(ck, i, rows, slot, new_ck), scatter_into_layer(cv, i, rows, slot, new_cv)
+            ck = scatter_into_layer(ck, i, rows, slot, new_ck)
+            cv = scatter_into_layer(cv, i, rows, slot, new_cv)
         if out_rows is None:
             out = blocked(qv, kv_k, kv_v, layer_of(ck, i), layer_of(cv, i), raw_lo, core_lo,
                           core_hi, blocking, window)[:, front:]

@@ -11,6 +11,8 @@ from pathlib import Path
 from cca_jax.cli import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
 def find_tokenizer_dir(ckpt: Path) -> Path:
     """The directory holding the checkpoint's tokenizer (its own, or config.json's)."""
     candidates = [ckpt]

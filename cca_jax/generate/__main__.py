@@ -22,12 +22,14 @@ from cca_jax.prefill import DEFAULT_CHUNK_SIZE
 from cca_jax.sampling import check_sampling
 from cca_jax.tokenizer import TextStream, load_tokenizer
 
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return f"{n} B"
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cca_jax.generate", description=__doc__,
