@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import median_ms, rel_l2  # noqa: E402
+from benchmarks.measure import commit, median_ms, rel_l2  # noqa: E402
 from cca_jax.attention import cca_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -165,7 +165,8 @@ def _add_errors(results) -> None:
 
 def write_results(records, args, argv, quiet=False):
     dev = jax.devices()[0]
-    meta = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+    meta = {"commit": commit(), "device": getattr(dev, "device_kind", str(dev)),
+            "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/attention.py " + " ".join(argv or sys.argv[1:])}

@@ -24,7 +24,6 @@ Writes `<out>.json` (records) and `<out>.md` (a table with device, versions, dat
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -35,17 +34,15 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.measure import (PAPER_PATTERNS, median_ms, read_records, rel_l2,  # noqa: E402
-                                write_results)
+                                stamp, write_results)
 from cca_jax import run_attention  # noqa: E402
 from cca_jax.attention import resolve_implementation  # noqa: E402
 
 
 
 def _where() -> dict:
-    """Device, versions, date and command: every record carries them."""
-    return dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=str(datetime.date.today()),
-                command="python benchmarks/baselines.py " + " ".join(sys.argv[1:]))
+    """Commit, device, jax version, date and command: every record carries them."""
+    return stamp()
 
 
 def _packed_ids(length: int, docs: int = 4):

@@ -107,8 +107,9 @@ def main(argv=None) -> int:
         same = sorted(src.names()) == sorted(dst.names()) and all(
             np.array_equal(src.read(n).view(np.uint16), dst.read(n).view(np.uint16))
             for n in src.names())
+        from benchmarks.measure import stamp
         result = {
-            "size": a.size, "architecture": SIZES[a.size], "checkpoint": made,
+            **stamp(), "size": a.size, "architecture": SIZES[a.size], "checkpoint": made,
             "orbax_bytes": du(ours), "hf_to_flax": to_flax, "flax_to_hf": to_hf,
             "round_trip_files_identical": same,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

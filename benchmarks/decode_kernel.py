@@ -232,7 +232,8 @@ def main():
               f"{mostly_empty['xla_ms']:.4f} ms, pallas {mostly_empty['pallas_ms']:.4f} ms: "
               f"the kernel is {mostly_empty['speedup']:.2f}x "
               f"{'faster' if mostly_empty['speedup'] > 1 else 'SLOWER'}")
-    meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, layers=args.layers,
+    from benchmarks.measure import stamp
+    meta = dict(stamp(), layers=args.layers,
                 mostly_empty_cache=mostly_empty,
                 passes=args.passes, runs=args.runs, wall_s=time.perf_counter() - start,
                 pattern=dict(group_size=PATTERN.group_size, window_size=PATTERN.window_size))

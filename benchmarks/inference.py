@@ -10,7 +10,7 @@
 One attention option (or transformers' sdpa LLaMA) per process, so each peak memory is its
 own. A LLaMA-2-7B-shaped model with random bf16 weights (`--shape tiny` for a CPU check).
 For each context C (B prompts of C random tokens):
-  * time to first token: `cca_jax.decode.prefill` of the prompts (in chunks of `--chunk`;
+  * time to first token: `cca_jax.prefill.prefill` of the prompts (in chunks of `--chunk`;
     default one chunk) into a fresh cache, plus the greedy first token, measured on a second
     run (the first compiles; its time is recorded as `first_call_s`);
   * decode: greedy steps after that prefill through `cca_jax.generate.decode_loop`, as
@@ -37,7 +37,6 @@ argmax agreement between one prefill and a prefill in chunks of N) and `<out>.md
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -68,10 +67,8 @@ def _max_len(context: int, decode_tokens: int) -> int:
 
 
 def _where(extra: dict) -> dict:
-    import jax
-    return dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=str(datetime.date.today()),
-                command="python benchmarks/inference.py " + " ".join(sys.argv[1:]), **extra)
+    from benchmarks.measure import stamp
+    return dict(stamp(), **extra)
 
 
 def decode_times(model, cache, token, context: int, steps: int) -> list[float]:
@@ -110,7 +107,8 @@ def bench_ours(kind: str, args) -> list[dict]:
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
-    from cca_jax.decode import decode_implementation, offset_implementation, prefill
+    from cca_jax.decode import decode_implementation, offset_implementation
+    from cca_jax.prefill import prefill
     from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
     from cca_jax.model import LlamaForCausalLM
 

@@ -1,9 +1,15 @@
-"""Timing and error measures shared by the benchmark scripts."""
+"""Timing and error measures shared by the benchmark scripts, and the stamp every result
+record carries (`stamp`: commit, device, jax version, date, command)."""
 
 from __future__ import annotations
 
+import datetime
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +24,42 @@ PAPER_PATTERNS = {
     "streaming": parse_option("streaming", window_size=1024, sink_tokens=4),
     "cca": parse_option("cca", group_size=16, window_size=1024),
 }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+STAMP_KEYS = ("commit", "device", "jax", "date", "command")
+
+
+def commit() -> str:
+    """The repository's short commit hash, "-dirty" when tracked files differ from it
+    ("unknown" outside a git checkout)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command(argv=None) -> str:
+    """The command line that ran this script, as the README writes it."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(ROOT)
+    except ValueError:
+        pass
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", str(script), *args])
+
+
+def stamp(argv=None) -> dict:
+    """What every benchmark record carries: commit, device, jax version, date and command."""
+    dev = jax.devices()[0]
+    return {"commit": commit(), "device": getattr(dev, "device_kind", str(dev)),
+            "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+            "command": command(argv)}
 
 
 def median_ms(fn, args, *, warmup: int = 1, iters: int | None = None, max_s: float = 0.5,
@@ -57,9 +99,9 @@ def read_records(paths) -> list:
 
 
 def write_results(out: str, records: list, table: str) -> None:
-    """Print the markdown table; write `<out>.json` (the records) and `<out>.md` (the table)."""
+    """Print the markdown table; write `<out>.json` (the records, each made with `stamp()`'s
+    keys) and `<out>.md` (the table)."""
     import json
-    import os
 
     print(table)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import median_ms, rel_l2  # noqa: E402
+from benchmarks.measure import median_ms, rel_l2, stamp  # noqa: E402
 from cca_jax.attention import cca_attention_xla  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 from cca_jax import blocks  # noqa: E402
@@ -255,8 +255,7 @@ def main(argv=None):
     if not args.skip_check:
         check(shapes[-1:], interpret, budget * 0.9)
     with open(os.path.join(args.out, "pallas_gpu_sweep.json"), "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "records": RECORDS}, f, indent=1)
+        json.dump({**stamp(), "records": RECORDS}, f, indent=1)
     print("\nstep  L  hkv  cfg  ms  TFLOP/s  (extra)")
     for r in RECORDS:
         if r["step"] in ("fwd", "dq", "dkv", "dc", "e2e", "best"):

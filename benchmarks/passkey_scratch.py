@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import os
 import sys
@@ -494,13 +493,9 @@ def plot(records: list[dict], cfg: ExperimentConfig, path: str) -> str | None:
 
 def run_experiment(cfg: ExperimentConfig, *, progress: bool = True) -> list[dict]:
     """Every attention in turn (same data, init and budget); writes the results."""
-    import jax
+    from benchmarks.measure import stamp, write_results
 
-    from benchmarks.measure import write_results
-
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=str(datetime.date.today()),
-                command="python benchmarks/passkey_scratch.py " + " ".join(sys.argv[1:]))
+    meta = stamp()
     records: list[dict] = []
     for attention in cfg.attention_list:
         ours = run_attention_option(cfg, attention, progress=progress)

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, write_results  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, stamp, write_results  # noqa: E402
 
 
 
@@ -53,7 +53,7 @@ def main(argv=None):
             per = shard_work(work, args.shards, zigzag)
             imbalance = float(per.max() / per.mean())
             split = "zigzag" if zigzag else "contiguous"
-            records.append(dict(attention=kind, split=split, work=per.tolist(),
+            records.append(dict(stamp(), attention=kind, split=split, work=per.tolist(),
                                 imbalance=round(imbalance, 4)))
             lines.append(f"| {kind} | {split} | {' / '.join(f'{x / 1e6:.0f}' for x in per)} | "
                          f"{imbalance:.3f} |")

@@ -235,7 +235,10 @@ def main(argv=None) -> int:
         records[name] = rec
     from cca_jax.eval.common import environment, environment_lines
 
+    from benchmarks.measure import commit
+
     env = environment()
+    env["commit"] = commit()
     env["command"] = "python benchmarks/stories_experiment.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     result = {"experiment": "stories260K: ppl on held-out self-samples, swapped vs fine-tuned",

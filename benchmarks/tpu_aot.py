@@ -167,8 +167,8 @@ def run(topologies=tuple(TOPOLOGIES), shapes=tuple(SHAPES), kernels=KERNELS, out
 
 def write(records, out: str) -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    meta = {"jax": jax.__version__, "libtpu": _libtpu_version(),
-            "command": "python benchmarks/tpu_aot.py " + " ".join(sys.argv[1:])}
+    from benchmarks.measure import stamp
+    meta = {**stamp(), "libtpu": _libtpu_version()}
     with open(out + ".json", "w") as f:
         json.dump([{**r, **meta} for r in records], f, indent=1)
 

@@ -16,7 +16,6 @@ tokens_per_s, mfu, peak_gib, device, jax, date, command) and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import read_records, write_results  # noqa: E402
+from benchmarks.measure import read_records, stamp, write_results  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -66,9 +65,7 @@ def measure(args) -> dict:
                     r["mfu"] for r in later), 4),
                 peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
                 first_step_s=round(logged[0]["step_s"], 1), losses=[r["loss"] for r in logged],
-                device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=str(datetime.date.today()),
-                command="python benchmarks/train_bench.py " + " ".join(sys.argv[1:]))
+                **stamp())
 
 
 def table(records) -> str:

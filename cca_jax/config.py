@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
 from typing import Any, Mapping
 
 import jax
@@ -19,15 +20,19 @@ import jax.numpy as jnp
 from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.attention.pooling import POOLING_FNS
 from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, default_sink_tokens, parse_option
-from cca_jax.rope import INV_FREQ_FNS
+from cca_jax.family import FAMILIES
 
 # Remat policies by name (None: no remat); `model.py` applies them.
-REMAT_POLICIES = {
+REMAT_POLICIES = types.MappingProxyType({
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+})
+DTYPES = types.MappingProxyType({"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+                                 "float16": jnp.float16})
+
+# The RoPE variants (HF's `rope_type`); `cca_jax.rope.INV_FREQ_FNS` implements each.
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Key under which our CCA settings are recorded inside a HF config.json.
 CCA_CONFIG_KEY = "cca_attention"
@@ -35,30 +40,6 @@ CCA_CONFIG_KEY = "cca_attention"
 # (SPEC 6). A record without it is older: there, cca ignored sink_tokens (written as 4, the
 # streaming default), so it loads as plain CCA (0 sinks).
 ATTENTION_RECORD_FORMAT = 2
-
-# What transformers assumes for HF keys a config.json may leave out, per family.
-_FAMILY_HF_KEY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {"sliding_window": 4096},
-    "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-}
-
-# Per-family facts of the HF config format (values implied by `model_type`, not present as
-# keys). This table is the only place a model family name changes anything.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"qkv_bias": True, "attention_bias": False},
-}
-
-# What `to_hf_dict` writes per family besides the architecture fields: the transformers class,
-# and keys whose transformers default would change the model (Mistral/Qwen2 sliding windows).
-_FAMILY_HF_EXPORT: dict[str, dict[str, Any]] = {
-    "llama": {"architectures": ["LlamaForCausalLM"]},
-    "mistral": {"architectures": ["MistralForCausalLM"], "sliding_window": None},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
-              "sliding_window": None},
-}
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -174,9 +155,9 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        _require(self.rope_type in INV_FREQ_FNS,
+        _require(self.rope_type in ROPE_TYPES,
                  f"rope type {self.rope_type!r} is not supported; supported: "
-                 f"{tuple(INV_FREQ_FNS)}.")
+                 f"{ROPE_TYPES}.")
         _require(self.factor > 0, f"rope scaling factor must be > 0, got {self.factor}.")
         if self.rope_type == "llama3":
             _require(self.original_max_position_embeddings is not None,
@@ -282,8 +263,8 @@ class LlamaConfig:
                  f"param_dtype must be one of {tuple(DTYPES)}, got {self.param_dtype!r}.")
         _require(self.remat in REMAT_POLICIES,
                  f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}.")
-        _require(self.model_type in _FAMILY_DEFAULTS,
-                 f"model_type must be one of {sorted(_FAMILY_DEFAULTS)}, got {self.model_type!r}.")
+        _require(self.model_type in FAMILIES,
+                 f"model_type must be one of {sorted(FAMILIES)}, got {self.model_type!r}.")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -323,14 +304,14 @@ class LlamaConfig:
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides) -> "LlamaConfig":
         """Build from a HF config dict; `overrides` set our runtime fields (attention, dtype...)."""
         model_type = hf.get("model_type")
-        if model_type not in _FAMILY_DEFAULTS:
+        if model_type not in FAMILIES:
             archs = hf.get("architectures")
             raise ValueError(
                 f"Unsupported architecture: model_type={model_type!r} (architectures={archs}). "
-                f"Supported model_type values: {sorted(_FAMILY_DEFAULTS)}.")
+                f"Supported model_type values: {sorted(FAMILIES)}.")
         act = hf.get("hidden_act", "silu")
         _require(act == "silu", f"hidden_act {act!r} is not supported (only 'silu').")
-        values = dict(_FAMILY_DEFAULTS[model_type], model_type=model_type)
+        values = dict(FAMILIES[model_type].implied, model_type=model_type)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                      "max_position_embeddings", "tie_word_embeddings", "attention_bias",
@@ -368,9 +349,10 @@ class LlamaConfig:
         transformers class; raises if that family cannot express this config's biases.
         """
         model_type = self.model_type if model_type is None else model_type
-        _require(model_type in _FAMILY_HF_EXPORT,
-                 f"Cannot export model_type {model_type!r}; supported: {sorted(_FAMILY_HF_EXPORT)}.")
-        implied = _FAMILY_DEFAULTS[model_type]
+        _require(model_type in FAMILIES,
+                 f"Cannot export model_type {model_type!r}; supported: {sorted(FAMILIES)}.")
+        family = FAMILIES[model_type]
+        implied = family.implied
         if "qkv_bias" in implied:
             _require(self.qkv_bias == implied["qkv_bias"]
                      and self.attention_bias == implied["attention_bias"],
@@ -406,12 +388,14 @@ class LlamaConfig:
             "dtype": self.param_dtype,
             CCA_CONFIG_KEY: {**self.attention.to_dict(), "format": ATTENTION_RECORD_FORMAT},
         }
-        out.update(_FAMILY_HF_EXPORT[model_type])
+        out["architectures"] = [family.architecture]
+        out.update(family.export_keys)
         if self.sliding_window is not None:
-            _require(model_type in _SLIDING_WINDOW_EXPORT,
+            windowed = sorted(f.model_type for f in FAMILIES.values() if f.sliding_window)
+            _require(family.sliding_window,
                      f"model_type {model_type!r} cannot express sliding_window="
-                     f"{self.sliding_window}; export as one of {sorted(_SLIDING_WINDOW_EXPORT)}.")
-            out.update(_SLIDING_WINDOW_EXPORT[model_type](self.sliding_window))
+                     f"{self.sliding_window}; export as one of {windowed}.")
+            out.update(family.window_export(self.sliding_window))
         return out
 
 
@@ -454,32 +438,25 @@ def _hf_sliding_window(hf: Mapping[str, Any], model_type: str) -> int | None:
     Raises when layers differ (Qwen2 with max_window_layers inside the stack): one model here
     runs one attention option in every layer.
     """
-    keys = {**_FAMILY_HF_KEY_DEFAULTS[model_type], **{k: v for k, v in hf.items()}}
+    family = FAMILIES[model_type]
+    keys = {**family.hf_key_defaults, **hf}
     window = keys.get("sliding_window")
-    if model_type == "qwen2" and not keys.get("use_sliding_window"):
+    if family.window_switch and not keys.get(family.window_switch):
         window = None
-    if model_type == "llama" or window is None:
+    if not family.sliding_window or window is None:
         return None
     layers = hf.get("num_hidden_layers", 1)
-    types = hf.get("layer_types")
-    if types is None:
-        first_sliding = keys.get("max_window_layers", 0) if model_type == "qwen2" else 0
-        types = ["full_attention" if i < first_sliding else "sliding_attention"
-                 for i in range(layers)]
-    kinds = set(types)
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_sliding = keys.get(family.full_layers_key, 0) if family.full_layers_key else 0
+        layer_types = ["full_attention" if i < first_sliding else "sliding_attention"
+                       for i in range(layers)]
+    kinds = set(layer_types)
     if kinds == {"full_attention"}:
         return None
     _require(kinds == {"sliding_attention"},
              f"This {model_type} config mixes sliding and full attention across layers "
-             f"({types.count('sliding_attention')} of {len(types)} sliding); cca-jax runs one "
-             "attention option in every layer. Set use_sliding_window to false (or "
-             "sliding_window to null) in config.json to load it with full attention.")
+             f"({layer_types.count('sliding_attention')} of {len(layer_types)} sliding); "
+             "cca-jax runs one attention option in every layer. Set use_sliding_window to false "
+             "(or sliding_window to null) in config.json to load it with full attention.")
     return int(window)
-
-
-# How each family writes a sliding window into config.json.
-_SLIDING_WINDOW_EXPORT = {
-    "mistral": lambda w: {"sliding_window": w},
-    "qwen2": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
-}
-

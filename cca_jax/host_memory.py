@@ -3,12 +3,8 @@
 `release_freed_memory()` asks glibc to return freed heap to the OS (`malloc_trim(0)`).
 Without it, glibc keeps large freed blocks in the arenas of the threads that used them
 (tensorstore's writer threads, orbax's commit threads), so a process that builds and writes
-big arrays one after another keeps memory it no longer uses. Measured on a random
-1.1B-parameter bf16 checkpoint (TinyLlama shapes, largest stacked parameter 0.51 GB, 2 shared
-cores, one run each), peak RSS with / without the calls:
-
-    convert.hf_to_flax   1.04 / 1.18 GB   (wall 36 / 36 s)
-    convert.flax_to_hf   1.13 / 1.43 GB   (wall 43 / 35 s; noisy machine)
+big arrays one after another keeps memory it no longer uses (the converters' peak RSS with and
+without it: `benchmarks/results/implementation_notes.md`).
 
 A no-op where glibc is absent (macOS, musl).
 """

@@ -16,7 +16,9 @@ Arrays are stacked over layers on a leading axis (the model's layers are), preal
 pattern and `max_len` are static metadata).
 
 Which ring entries and slots a query sees is `cca_jax.blocks` (`cache_raw_visible`,
-`cache_slot_visible`, `chunk_ranges`); the cached forward passes are `cca_jax.decode`.
+`cache_slot_visible`, `chunk_ranges`); the cached forward passes are `cca_jax.prefill` and
+`cca_jax.decode`. The functions at the end update one layer of the stacked arrays in place,
+for both.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from cca_jax.blocks import AttentionPattern, ring_size
+from cca_jax.blocks import AttentionPattern, ring_positions, ring_size
 from cca_jax.config import LlamaConfig
 
 
@@ -110,3 +112,62 @@ def full_cache_bytes(cfg: LlamaConfig, batch: int, max_len: int, dtype=None) -> 
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
     return (2 * cfg.num_hidden_layers * batch * max_len * cfg.num_key_value_heads
             * cfg.head_dim * itemsize)
+
+
+# ---- cache updates, shared by the prefill chunks and the decode step ---------------------
+
+def check_cache(cfg: LlamaConfig, cache: KVCache) -> None:
+    """ValueError with the fix unless `cache` was made for `cfg` (pattern and shapes)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache (kv_cache.init_cache), "
+                         f"got {type(cache).__name__}.")
+    if cache.pattern != cfg.attention.pattern:
+        raise ValueError(
+            f"The cache was made for {cache.pattern}, the model runs {cfg.attention.pattern}: "
+            "create the cache from this model's config (kv_cache.init_cache(model.config, ...)).")
+    want_raw = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    want_slots = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim)
+    got_raw = (cache.k.shape[0], *cache.k.shape[3:])
+    got_slots = (cache.ck.shape[0], *cache.ck.shape[3:])
+    if got_raw != want_raw or got_slots != want_slots:
+        raise ValueError(
+            f"The cache's (layers, heads, head_dim) {got_raw} / {got_slots} do not match the "
+            f"model's {want_raw} / {want_slots}: make it with init_cache(model.config, ...).")
+
+
+def layer_of(x, i):
+    """Layer `i` (static or traced) of a stacked cache array."""
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def put_layer(x, i, layer):
+    """`x` with layer `i` replaced: one `dynamic_update_slice`, in place on a donated or
+    loop-carried buffer. (A scatter into the whole stacked array inside the layer scan
+    makes XLA copy the array.)"""
+    return jax.lax.dynamic_update_index_in_dim(x, layer.astype(x.dtype), i, 0)
+
+
+def scatter_into_layer(x, i, rows, index, update):
+    """`x[i, rows, index] = update`; out-of-range indices (the size of the axis) drop. The
+    scatter goes into layer `i`'s slice, which `put_layer` puts back in place."""
+    return put_layer(x, i, layer_of(x, i).at[rows, index].set(update.astype(x.dtype),
+                                                              mode="drop"))
+
+
+def ring_after_chunk(old, new, p0, end):
+    """One layer's ring `[B, R, H, D]` after a chunk `new` `[B, n, H, D]` at positions
+    `p0 ...`, valid up to `end` (per row): entries whose position (`blocks.ring_positions`)
+    lies in the chunk take its key/value, the others keep theirs. A gather of R rows, not a
+    scatter of the whole chunk (whose indices mostly drop)."""
+    u = ring_positions(end - 1, old.shape[1])
+    fresh = u >= p0[:, None]
+    at = jnp.clip(u - p0[:, None], 0, new.shape[1] - 1)
+    taken = jnp.take_along_axis(new, at[:, :, None, None], axis=1)
+    return jnp.where(fresh[:, :, None, None], taken.astype(old.dtype), old)
+
+
+def set_entries(x, i, index, update, keep):
+    """`x[i, b, index[b]] = update[b]` for the rows `b` with `keep[b]`: one scatter of B
+    entries at a static layer `i`, in place on the donated cache."""
+    index = jnp.where(keep, index, x.shape[2])
+    return x.at[i, jnp.arange(x.shape[1]), index].set(update.astype(x.dtype), mode="drop")

@@ -48,6 +48,14 @@ def _linear(cfg: LlamaConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs)
 
 
 class Attention(nnx.Module):
+    """Self-attention: q/k/v projections, RoPE, an attention core, the output projection.
+
+    `__call__` runs the core over the whole sequence (`run_attention`: training, the
+    model's forward). `decode` runs the same projections and RoPE around a core that reads
+    and writes a KV cache (prefill chunks and decode steps, `cca_jax.prefill` /
+    `cca_jax.decode`), so both paths share every weight and every line of the layer.
+    """
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
@@ -56,18 +64,36 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg, h, cfg.num_key_value_heads * d, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, cfg.num_attention_heads * d, h, cfg.attention_bias, rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, sequence_sharding=None):
+    def qkv(self, x, cos, sin):
+        """q `[B, n, Hq, D]`, k and v `[B, n, Hkv, D]` of `x` `[B, n, hidden]`, RoPE on q, k."""
         cfg = self.cfg
         b, length, _ = x.shape
         q = self.q_proj(x).reshape(b, length, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a = cfg.attention
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out):
+        """The output projection of the core's `[B, m, Hq, D]` -> `[B, m, hidden]` (`o_proj`
+        computes in the model's dtype whatever the core's)."""
+        b, m = out.shape[:2]
+        return self.o_proj(out.reshape(b, m, -1))
+
+    def __call__(self, x, cos, sin, segment_ids, sequence_sharding=None):
+        q, k, v = self.qkv(x, cos, sin)
+        a = self.cfg.attention
         out = run_attention(q, k, v, a.pattern, pooling=a.pooling,
                             implementation=a.implementation, segment_ids=segment_ids,
                             sequence_sharding=sequence_sharding)
-        return self.o_proj(out.reshape(b, length, -1))
+        return self.output(out)
+
+    def decode(self, x, cos, sin, core):
+        """Attention through a KV cache: `core(q, k, v) -> (out [B, m, Hq, D], carry)` reads
+        and writes the cache (`m` = n, or 1 when the core returns one row per batch row).
+        -> `(output [B, m, hidden], carry)`."""
+        q, k, v = self.qkv(x, cos, sin)
+        out, carry = core(q, k, v)
+        return self.output(out), carry
 
 
 class MLP(nnx.Module):
@@ -80,10 +106,14 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg, i, h, cfg.mlp_bias, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        with jax.named_scope("mlp"):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
+    """x + attention(norm(x)), then + MLP(norm(.)): `__call__` over a whole sequence,
+    `decode` through a KV cache (`Attention.decode`)."""
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.self_attn = Attention(cfg, rngs)
@@ -91,9 +121,21 @@ class DecoderLayer(nnx.Module):
                                                 cfg.jnp_param_dtype)
         self.mlp = MLP(cfg, rngs)
 
+    def _feed_forward(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
+
     def __call__(self, x, cos, sin, segment_ids, sequence_sharding=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, sequence_sharding)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._feed_forward(x)
+
+    def decode(self, x, cos, sin, core, rows=None):
+        """The layer with `core` as its cached attention (`Attention.decode`). `rows` (int
+        `[B]`): the core returns the output of row `rows[b]` only (`[B, 1, Hq, D]`), and the
+        residual and MLP run for that row alone -> `[B, 1, hidden]`. -> `(x, carry)`."""
+        out, carry = self.self_attn.decode(self.input_layernorm(x), cos, sin, core)
+        if rows is not None:
+            x = jnp.take_along_axis(x, rows[:, None, None], axis=1)
+        return self._feed_forward(x + out), carry
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -132,7 +174,7 @@ class LlamaForCausalLM(nnx.Module):
                      else sharding.row_order(input_ids.shape[1]))
             positions = jnp.broadcast_to(jnp.asarray(order), input_ids.shape)
         cos, sin = rope_cos_sin(positions, cfg)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer_step(x, layer_state):
@@ -147,6 +189,62 @@ class LlamaForCausalLM(nnx.Module):
             for i in range(cfg.num_hidden_layers):
                 x, _ = layer_step(x, jax.tree.map(lambda p, i=i: p[i], stacked))
         return self.norm(x)
+
+    def decode_layers(self, x, cos, sin, attend, carry, *, unroll: bool = False,
+                      last_rows=None):
+        """The decoder stack on `x` `[B, n, hidden]` through a KV cache (`carry`), each layer
+        by `DecoderLayer.decode` with `attend` as its attention core -> `(final normed hidden
+        states, carry)`.
+
+        attend(i, q, k, v, carry, out_rows=None) -> (out `[B, n, Hq, D]`, carry), with q
+        `[B, n, Hq, D]` and k, v `[B, n, Hkv, D]` of layer `i`, RoPE applied.
+        `unroll`: a Python loop with static layer indices instead of one `lax.scan`, so every
+        weight is a static slice of the stacked parameters, read in place (a decode step is
+        bound by reading the weights; the scan's dynamic slices are copied first). The scan
+        compiles faster, and a prefill is compute-bound.
+        `last_rows` (int `[B]`, scan only): only row `last_rows[b]` of each batch row is
+        wanted from the last layer, whose keys/values still go into the cache but whose
+        attention, output projection and MLP run for that row alone (`attend(...,
+        out_rows=last_rows)` -> `[B, 1, Hq, D]`); returns `[B, 1, hidden]`. A prefill needs no
+        more: 1/L of the last layer's work.
+        """
+        graphdef, stacked = nnx.split(self.layers)
+        num_layers = self.config.num_hidden_layers
+
+        def layer_at(i):
+            if isinstance(i, int):   # a static slice: read in place
+                return nnx.merge(graphdef, jax.tree.map(lambda p: p[i], stacked))
+            return nnx.merge(graphdef, jax.tree.map(
+                lambda p: jax.lax.dynamic_index_in_dim(p, i, 0, keepdims=False), stacked))
+
+        def body(state, i, rows=None):
+            x, carry = state
+            if rows is None:
+                core = lambda q, k, v: attend(i, q, k, v, carry)  # noqa: E731
+            else:
+                core = lambda q, k, v: attend(i, q, k, v, carry, out_rows=rows)  # noqa: E731
+            return layer_at(i).decode(x, cos, sin, core, rows=rows)
+
+        if unroll:
+            if last_rows is not None:
+                raise ValueError("last_rows needs the scanned stack (unroll=False).")
+            state = (x, carry)
+            for i in range(num_layers):
+                state = body(state, i)
+            x, carry = state
+            return self.norm(x), carry
+        trimmed = last_rows is not None
+        layers = jnp.arange(num_layers - trimmed, dtype=jnp.int32)
+        (x, carry), _ = jax.lax.scan(lambda state, i: (body(state, i), None), (x, carry),
+                                     layers)
+        if trimmed:
+            x, carry = body((x, carry), num_layers - 1, rows=last_rows)
+        return self.norm(x), carry
+
+    def embed(self, input_ids):
+        """Token embeddings `[B, L, hidden]` in `dtype`."""
+        with jax.named_scope("embed"):
+            return self.embed_tokens(input_ids)
 
     def output_weight(self):
         """The `[hidden, vocab]` output projection (the embedding's transpose when tied)."""

@@ -7,15 +7,13 @@ rotation uses HF's "rotate halves" layout. Angles are computed in float32.
 from __future__ import annotations
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # config validates rope types against INV_FREQ_FNS, so it imports us
-    from cca_jax.config import LlamaConfig, RopeScaling
+from cca_jax.config import LlamaConfig, RopeScaling
 
 
 def _base_inv_freq(base, dim: int):
@@ -73,8 +71,9 @@ def _yarn(cfg: LlamaConfig, sc: RopeScaling, seq_len):
     return jnp.asarray(inv.astype(np.float32))
 
 
-INV_FREQ_FNS = {"default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3,
-             "yarn": _yarn}
+# `config.ROPE_TYPES` -> inverse frequencies (a test keeps the two equal).
+INV_FREQ_FNS = types.MappingProxyType({"default": _default, "linear": _linear,
+                                       "dynamic": _dynamic, "llama3": _llama3, "yarn": _yarn})
 
 
 def attention_scaling(sc: RopeScaling) -> float:

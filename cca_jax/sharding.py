@@ -1,10 +1,12 @@
 """The device mesh and THE table of logical axis -> mesh axis rules.
 
-Every array the model or the trainer shards is described by logical axes ("batch", "seq",
-"embed", "heads", "mlp", "vocab", ...). `LOGICAL_RULES` maps each to mesh axes; nothing else
-in the project names mesh axes for an array. Parameters carry their logical axes through
-`PARAM_AXES`, keyed by the parameter's own name in the tree (the same names in params,
-gradients and optimizer moments), so one function shards all three.
+Every array the model, the trainer or generation shards is described by logical axes
+("batch", "seq", "embed", "heads", "mlp", "vocab", "kv_heads", "cache_ring", ...).
+`LOGICAL_RULES` maps each to mesh axes; nothing else in the project names mesh axes for an
+array. Parameters carry their logical axes through `PARAM_AXES`, keyed by the parameter's own
+name in the tree (the same names in params, gradients and optimizer moments), so one function
+shards all three. Activations have theirs in `ACTIVATION_AXES`, the KV cache's arrays in
+`CACHE_AXES`.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer
 state sharded), `tensor` (heads / MLP columns), `sequence` (activations along the sequence).
@@ -13,6 +15,7 @@ state sharded), `tensor` (heads / MLP columns), `sequence` (activations along th
 from __future__ import annotations
 
 import math
+import types
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -21,21 +24,48 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 
-# THE table: logical axis -> mesh axes (None: replicated).
-LOGICAL_RULES: dict[str, Any] = {
+# THE table: logical axis -> mesh axes (None: replicated). Read-only.
+LOGICAL_RULES: Mapping[str, Any] = types.MappingProxyType({
     "batch": ("data", "fsdp"),
     "seq": "sequence",
-    "embed": "fsdp",
+    "embed": "fsdp",        # parameters' model dimension
     "vocab": "tensor",
     "heads": "tensor",      # q/k/v output features, o input features (heads x head_dim)
     "mlp": "tensor",
-    "layers": None,         # the stacked-layer axis of scanned parameters
+    "layers": None,         # the stacked-layer axis of scanned parameters and of the cache
     "norm": None,
-}
+    # activations
+    "act_embed": None,      # the model dimension of activations (whole on every device)
+    "q_heads": "tensor",    # query heads of q, attention outputs and the cache's slots
+    "kv_heads": "tensor",   # key/value heads of k, v and the cache's ring
+    "head_dim": None,
+    # the KV cache
+    "cache_ring": None,     # ring entries (raw keys/values of the recent positions)
+    "cache_slots": None,    # slots (core tokens, sinks)
+})
+
+# Activation name -> logical axes.
+ACTIVATION_AXES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "tokens": ("batch", "seq"),
+    "hidden": ("batch", "seq", "act_embed"),
+    "q": ("batch", "seq", "q_heads", "head_dim"),
+    "kv": ("batch", "seq", "kv_heads", "head_dim"),
+    "logits": ("batch", "seq", "vocab"),
+})
+
+# KVCache field -> logical axes (`cca_jax.kv_cache.KVCache`: k, v `[L, B, R, Hkv, D]`,
+# ck, cv `[L, B, C, Hq, D]`, lengths `[B]`).
+CACHE_AXES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "k": ("layers", "batch", "cache_ring", "kv_heads", "head_dim"),
+    "v": ("layers", "batch", "cache_ring", "kv_heads", "head_dim"),
+    "ck": ("layers", "batch", "cache_slots", "q_heads", "head_dim"),
+    "cv": ("layers", "batch", "cache_slots", "q_heads", "head_dim"),
+    "lengths": ("batch",),
+})
 
 # Parameter name (the last keys of its path) -> logical axes of one layer's array; scanned
 # parameters get "layers" in front.
-PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+PARAM_AXES: Mapping[tuple[str, ...], tuple[str, ...]] = types.MappingProxyType({
     ("embed_tokens", "embedding"): ("vocab", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
     ("q_proj", "kernel"): ("embed", "heads"),
@@ -53,7 +83,20 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("up_proj", "bias"): ("mlp",),
     ("down_proj", "bias"): ("norm",),
     ("weight",): ("norm",),   # RMSNorm scales
-}
+})
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"fsdp=4,sequence=2"` -> `{"fsdp": 4, "sequence": 2}` (the `--mesh` flag's format;
+    `make_mesh` checks the sizes against the devices)."""
+    shape = {}
+    for part in filter(None, str(text).split(",")):
+        name, _, size = part.strip().partition("=")
+        if name not in MESH_AXES or not size.lstrip("-").isdigit():
+            raise ValueError(f"--mesh {text!r}: expected axis=size pairs over "
+                             f"{MESH_AXES}, e.g. 'fsdp=4,sequence=2' (one size may be -1).")
+        shape[name] = int(size)
+    return shape
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
@@ -134,6 +177,32 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[batch, seq] arrays: batch over data x fsdp, sequence over `sequence`."""
     return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], LOGICAL_RULES["seq"]))
+
+
+def activation_sharding(name: str, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    """NamedSharding of the activation `name` (an `ACTIVATION_AXES` key) of this shape."""
+    if name not in ACTIVATION_AXES:
+        raise ValueError(f"unknown activation {name!r}; the activations are "
+                         f"{sorted(ACTIVATION_AXES)}.")
+    return NamedSharding(mesh, logical_spec(ACTIVATION_AXES[name], shape, mesh))
+
+
+def cache_shardings(cache: Any, mesh: Mesh) -> Any:
+    """A `KVCache` of NamedShardings for `cache` (arrays or `kv_cache.cache_shapes`), from
+    `CACHE_AXES`: what `kv_cache.init_cache(..., sharding=)` takes. Default table: rows over
+    data x fsdp, heads over tensor; ring, slots and head_dim whole."""
+    return cache.replace(**{
+        name: NamedSharding(mesh, logical_spec(axes, getattr(cache, name).shape, mesh))
+        for name, axes in CACHE_AXES.items()})
+
+
+def shard_model(model: Any, mesh: Mesh) -> Any:
+    """Place an nnx model's parameters on `mesh` by `tree_shardings`, in place; returns it."""
+    from flax import nnx
+
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, tree_shardings(state, mesh)))
+    return model
 
 
 def unnamed_params(tree: Any) -> list[str]:

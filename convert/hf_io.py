@@ -22,6 +22,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -30,13 +31,13 @@ import numpy as np
 from tqdm import tqdm
 
 # safetensors dtype code <-> numpy dtype.
-ST_DTYPES = {
+ST_DTYPES = types.MappingProxyType({
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
-}
-NP_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+})
+NP_TO_ST = types.MappingProxyType({v: k for k, v in ST_DTYPES.items()})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
@@ -49,7 +50,7 @@ class ConversionError(ValueError):
 # ---- reading -------------------------------------------------------------------------------
 # The safetensors format caps its JSON header at 100 MB (the library's HeaderTooLarge).
 MAX_SAFETENSORS_HEADER = 100_000_000
-_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 def _not_safetensors(path: Path, why: str) -> ConversionError:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
 import ml_dtypes
@@ -49,8 +50,9 @@ from convert.hf_io import (AtomicOutputDir, ConversionError, WeightReader, check
                            cli_parser)
 from convert.layout import ParamSpec, family_layout, param_specs
 
-OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-              "float16": np.dtype(np.float16)}
+OUT_DTYPES = types.MappingProxyType({"bfloat16": np.dtype(ml_dtypes.bfloat16),
+                                    "float32": np.dtype(np.float32),
+                                    "float16": np.dtype(np.float16)})
 
 
 def check_dtype(dtype: str) -> np.dtype:

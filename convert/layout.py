@@ -1,4 +1,4 @@
-"""The HF <-> cca_jax parameter name and layout tables, one per family.
+"""The HF <-> cca_jax parameter name and layout tables, one per tensor layout.
 
 Our tree is `nnx.to_pure_dict(nnx.state(model, nnx.Param))`: per-layer parameters are stacked
 on a leading layer axis (`layers.self_attn.q_proj.kernel` is `[N, in, out]`); HF keeps one
@@ -8,20 +8,23 @@ A table entry says which HF tensor a parameter comes from and whether it is tran
 Which entries exist (biases, `lm_head`) is decided by the config, not by the family: the
 expected parameter set is taken from the model itself (`nnx.eval_shape`), so Qwen2's q/k/v
 biases, LLaMA's optional `attention_bias` / `mlp_bias` and tied embeddings need no code paths
-here. LLaMA, Mistral (sliding_window null) and Qwen2 therefore share one table today; a family
-that names or lays out tensors differently gets its own `FamilyLayout` in `FAMILIES`.
+here. LLaMA, Mistral (sliding_window null) and Qwen2 therefore share the "llama" table (their
+`cca_jax.family.Family.weight_layout`); a family that names or lays out tensors differently
+gets its own `FamilyLayout` in `LAYOUTS`, named by its `Family` record.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+import types
+from typing import Iterator, Mapping
 
 import jax
 import numpy as np
 from flax import nnx
 
 from cca_jax.config import LlamaConfig
+from cca_jax.family import FAMILIES
 
 Path_ = tuple[str, ...]
 
@@ -61,16 +64,17 @@ def _build_llama() -> FamilyLayout:
 
 
 LLAMA = _build_llama()
-MISTRAL = LLAMA   # LLaMA-compatible Mistral: same names and layouts.
-QWEN2 = LLAMA     # Qwen2/2.5: same names; q/k/v biases come from config.qkv_bias.
-FAMILIES: dict[str, FamilyLayout] = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2}
+# Layout name (`Family.weight_layout`) -> table.
+LAYOUTS: Mapping[str, FamilyLayout] = types.MappingProxyType({"llama": LLAMA})
 
 
 def family_layout(cfg: LlamaConfig) -> FamilyLayout:
-    if cfg.model_type not in FAMILIES:
+    """The tensor layout of `cfg.model_type`'s family."""
+    family = FAMILIES.get(cfg.model_type)
+    if family is None or family.weight_layout not in LAYOUTS:
         raise ValueError(f"No weight layout for model_type {cfg.model_type!r}; supported: "
                          f"{sorted(FAMILIES)}.")
-    return FAMILIES[cfg.model_type]
+    return LAYOUTS[family.weight_layout]
 
 
 @dataclasses.dataclass(frozen=True)

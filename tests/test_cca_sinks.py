@@ -500,7 +500,8 @@ def test_property_6_decode_and_chunked_prefill_equal_one_forward():
     slots hold the sinks' raw keys and values."""
     from flax import nnx
 
-    from cca_jax.decode import decode_step, prefill
+    from cca_jax.decode import decode_step
+    from cca_jax.prefill import prefill
     from cca_jax.kv_cache import init_cache
     model = _tiny_model(kind="cca", group_size=4, window_size=6, sink_tokens=3)
     cfg = model.config
@@ -590,7 +591,7 @@ def test_cli_flags_reach_cca():
     train.finetune: the model config they build runs CCA with sinks."""
     import argparse
 
-    from cca_jax.generate import add_attention_args, attention_overrides
+    from cca_jax.cli import add_attention_args, attention_overrides
     from train.config import TrainConfig
     ap = argparse.ArgumentParser()
     add_attention_args(ap)
@@ -659,7 +660,8 @@ def test_gpu_decode_and_prefill_equal_one_forward():
     through the dense naive implementation."""
     from flax import nnx
 
-    from cca_jax.decode import decode_step, prefill
+    from cca_jax.decode import decode_step
+    from cca_jax.prefill import prefill
     from cca_jax.kv_cache import init_cache
     cfg = LlamaConfig(**dict(TINY, head_dim=64, max_position_embeddings=256),
                       attention=dict(kind="cca", group_size=4, window_size=24, sink_tokens=4,

@@ -99,7 +99,7 @@ def test_bad_token_ids_name_the_expected_dtype_and_shape(small_model, ids, fix):
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     from cca_jax.eval.__main__ import build_parser as eval_parser
-    from cca_jax.generate import build_parser as generate_parser
+    from cca_jax.generate.__main__ import build_parser as generate_parser
     from convert.flax_to_hf import build_parser as flax_to_hf_parser
     from convert.hf_to_flax import build_parser as hf_to_flax_parser
     out = {"generate": generate_parser(), "convert.hf_to_flax": hf_to_flax_parser(),

@@ -56,14 +56,14 @@ def ckpt(tmp_path_factory, model):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     save_pretrained(d, jax.tree.map(np.asarray, params), model.config)
     shutil.copy(LLAMA2_TOKENIZER, d / "tokenizer.model")
-    from cca_jax.generate import load_tokenizer
+    from cca_jax.tokenizer import load_tokenizer
     load_tokenizer(d).save_pretrained(d)   # tokenizer.json: the CLI skips the slow conversion
     return d
 
 
 @pytest.fixture(scope="module")
 def tokenizer(ckpt):
-    from cca_jax.generate import load_tokenizer
+    from cca_jax.tokenizer import load_tokenizer
     return load_tokenizer(ckpt)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from cca_jax.eval import common
 from cca_jax.eval.__main__ import build_parser
-from cca_jax.generate import UsageError
+from cca_jax.cli import UsageError
 
 
 def _loaded_overrides(monkeypatch, tmp_path, *flags):

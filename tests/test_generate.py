@@ -19,10 +19,13 @@ import pytest
 from flax import nnx
 
 import cca_jax.generate as gen
+import cca_jax.generate.__main__ as gen_cli
 from cca_jax.config import LlamaConfig
-from cca_jax.generate import TextStream, _advance, generate, main, stream_generate
+from cca_jax.generate import _advance, generate, stream_generate
+from cca_jax.generate.__main__ import main
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sampling import sample
+from cca_jax.tokenizer import TextStream, load_tokenizer
 from tests import hf_fixtures as fx
 
 LLAMA2_TOKENIZER = fx.DATA_DIR / "llama2_tokenizer.model"
@@ -258,7 +261,7 @@ def llama2_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama2_tokenizer(llama2_tokenizer_dir):
-    return gen.load_tokenizer(llama2_tokenizer_dir)
+    return load_tokenizer(llama2_tokenizer_dir)
 
 
 TEXT = "Once upon a time, Lily's cat said:\n\n  \"naïve über 😀 日本語\" -- 3.14 ok."
@@ -320,12 +323,12 @@ def test_cli_generates_end_to_end(cli_ckpt, capsys, monkeypatch):
                 seen["tokens"].append(int(tokens[0]))
             yield tokens, emitted
 
-    monkeypatch.setattr(gen, "stream_generate", spy)
+    monkeypatch.setattr(gen_cli, "stream_generate", spy)
     code, out, err = run_cli(["--ckpt", cli_ckpt, "--prompt", "Once upon a time",
                               "--max-new-tokens", 12, "--greedy", "--attention", "cca",
                               "--group-size", 2, "--window-size", 3, "--chunk-size", 4], capsys)
     assert code == 0, err
-    tok = gen.load_tokenizer(cli_ckpt)
+    tok = load_tokenizer(cli_ckpt)
     assert seen["prompt"] == tok("Once upon a time")["input_ids"] and seen["prompt"][0] == 1
     assert (seen["attention"].kind, seen["attention"].group_size,
             seen["attention"].window_size) == ("cca", 2, 3)

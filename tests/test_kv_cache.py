@@ -31,7 +31,8 @@ from flax import nnx
 from cca_jax import blocks
 from cca_jax.blocks import parse_option
 from cca_jax.config import LlamaConfig
-from cca_jax.decode import decode_step, prefill, prefill_chunk
+from cca_jax.decode import decode_step
+from cca_jax.prefill import prefill, prefill_chunk
 from cca_jax.kv_cache import KVCache, cache_bytes, cache_shapes, full_cache_bytes, init_cache
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.padding import round_up

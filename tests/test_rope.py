@@ -61,3 +61,11 @@ def test_rope_theta_is_not_dropped():
     assert b.rope_theta == 500000.0
     pos = jnp.arange(100)[None]
     assert not np.allclose(rope_cos_sin(pos, a)[0], rope_cos_sin(pos, b)[0])
+
+
+def test_every_rope_type_the_config_accepts_is_implemented():
+    """config.py names the RoPE variants without importing rope.py (no import circle);
+    rope.py implements exactly those."""
+    from cca_jax.config import ROPE_TYPES
+    from cca_jax.rope import INV_FREQ_FNS
+    assert tuple(INV_FREQ_FNS) == ROPE_TYPES

@@ -18,12 +18,12 @@ from flax import nnx
 
 from cca_jax.checkpoint import restore_params
 from cca_jax.config import LlamaConfig
+from cca_jax.losses import chunked_cross_entropy
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import unnamed_params
 from train import finetune
 from train import step as steps
 from train.config import TrainConfig, parse_args
-from train.step import chunked_cross_entropy
 
 SEQ = 64
 

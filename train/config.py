@@ -12,22 +12,23 @@ import argparse
 import dataclasses
 import sys
 import tomllib
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.blocks import ATTENTION_KINDS
 from cca_jax.config import DTYPES, REMAT_POLICIES
-from cca_jax.sharding import MESH_AXES
+from cca_jax.sharding import parse_mesh
 
-TRAINABLE = {
+TRAINABLE: Mapping[str, tuple[str, ...] | None] = types.MappingProxyType({
     # which parameters train; the rest are frozen and get no optimizer state
     "all": None,
     "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "qkv": ("q_proj", "k_proj", "v_proj"),
-}
+})
 # Defaults a preset brings (below the TOML file and the flags): sized for a 2-core CPU.
-PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+PRESET_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
     "tiny": dict(seq_len=128, batch_size=8, lr=3e-3, warmup_steps=10, dtype="float32",
                  remat="none", save_every=50, attention="cca", group_size=4, window_size=16,
                  implementation="xla", loss_chunk=64),
@@ -35,9 +36,9 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama2-7b-shape": dict(attention="cca", group_size=16, window_size=1024),
     # Random weights of TinyLlama-1.1B's shape (GQA, 4 KV heads): all-parameter runs.
     "tinyllama-1.1b-shape": dict(attention="cca", group_size=16, window_size=1024),
-}
+})
 # Architecture of each preset's random model (vocab: the tokenizer's, at least).
-PRESET_MODELS: dict[str, dict[str, Any]] = {
+PRESET_MODELS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
     "tiny": dict(vocab_size=0, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
     "llama2-7b-shape": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -46,7 +47,7 @@ PRESET_MODELS: dict[str, dict[str, Any]] = {
     "tinyllama-1.1b-shape": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                  num_hidden_layers=22, num_attention_heads=32,
                                  num_key_value_heads=4),
-}
+})
 PRESETS = tuple(PRESET_DEFAULTS)
 
 
@@ -184,14 +185,7 @@ class TrainConfig:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        shape = {}
-        for part in filter(None, self.mesh.split(",")):
-            name, _, size = part.partition("=")
-            if name not in MESH_AXES or not size.lstrip("-").isdigit():
-                raise ValueError(f"--mesh {self.mesh!r}: expected axis=size pairs over "
-                                 f"{MESH_AXES}, e.g. 'fsdp=4,sequence=2' (one size may be -1).")
-            shape[name] = int(size)
-        return shape
+        return parse_mesh(self.mesh)
 
     def model_overrides(self) -> dict[str, Any]:
         """LlamaConfig overrides this run asks for (flat, as `from_pretrained` takes them)."""

@@ -10,10 +10,12 @@ hardware FLOPs). Embedding lookups and norms are ignored.
 
 from __future__ import annotations
 
+import types
+
 from cca_jax.config import LlamaConfig
 
 # Dense bf16 peak FLOP/s by device kind (datasheet figures, without sparsity).
-PEAK_FLOPS = {
+PEAK_FLOPS = types.MappingProxyType({
     "H200": 989e12,
     "H100": 989e12,
     "A100": 312e12,
@@ -21,7 +23,7 @@ PEAK_FLOPS = {
     "TPU v5 lite": 197e12,
     "TPU v6": 918e12,
     "TPU v4": 275e12,
-}
+})
 
 
 def matmul_params(cfg: LlamaConfig) -> tuple[int, dict[str, int]]:

@@ -1,4 +1,4 @@
-"""The training step: chunked cross-entropy, gradient accumulation, the optimizer.
+"""The training step: the loss (`cca_jax.losses`), gradient accumulation, the optimizer.
 
 Parameters are nested dicts split into a trainable and a frozen part, so frozen
 parameters get neither gradients nor optimizer state. The optimizer updates float32 copies of
@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from cca_jax.attention import AttentionPattern, SequenceSharding
 from cca_jax.attention.sequence_parallel import halo_rows, sequence_layout
+from cca_jax.losses import chunked_cross_entropy
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import LOGICAL_RULES
 from train.config import TRAINABLE, TrainConfig
@@ -77,42 +78,6 @@ def model_apply(graphdef, abstract_state) -> Callable:
         nnx.replace_by_pure_dict(state, merge_params(trainable, frozen))
         return nnx.merge(graphdef, state)
     return apply
-
-
-def chunk_cross_entropy(hidden, weight, targets, mask, chunk: int):
-    """Per chunk of `chunk` tokens: (masked token loss sums `[n]`, token counts `[n]`),
-    without `[L, vocab]` logits at once.
-
-    hidden `[B, L, H]`, weight `[H, V]`, targets int `[B, L]`, mask float `[B, L]`. Each
-    chunk's float32 logits exist only inside a rematerialized map step, so the backward
-    recomputes them chunk by chunk too. The last chunk is padded (mask 0).
-    """
-    b, length, h = hidden.shape
-    chunk = min(chunk, length)
-    pad = -length % chunk
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        mask = jnp.pad(mask, ((0, 0), (0, pad)))
-    n = hidden.shape[1] // chunk
-    xs = (hidden.reshape(b, n, chunk, h).swapaxes(0, 1),
-          targets.reshape(b, n, chunk).swapaxes(0, 1), mask.reshape(b, n, chunk).swapaxes(0, 1))
-
-    @jax.checkpoint
-    def one(x):
-        hid, tgt, msk = x
-        logits = jnp.dot(hid, weight.astype(hid.dtype), preferred_element_type=jnp.float32)
-        nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
-            logits, tgt[..., None], axis=-1)[..., 0]
-        return jnp.sum(nll * msk), jnp.sum(msk)
-
-    return jax.lax.map(one, xs)
-
-
-def chunked_cross_entropy(hidden, weight, targets, mask, chunk: int):
-    """(sum of masked token losses, token count) over `[B, L]` (`chunk_cross_entropy`)."""
-    sums, counts = chunk_cross_entropy(hidden, weight, targets, mask, chunk)
-    return jnp.sum(sums), jnp.sum(counts)
 
 
 BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")

@@ -4,7 +4,8 @@
 
 A decode step is bound by reading the weights (13 GB at LLaMA-2-7B). This times one token
 through 32 layers of the 7B projections and MLP (bf16, B = 1 and 16) with the weights
-  scan:      stacked [32, ...], `lax.scan` over layers (what `decode._run_layers` does);
+  scan:      stacked [32, ...], `lax.scan` over layers (`LlamaForCausalLM.decode_layers`
+             without unroll);
   unrolled:  stacked [32, ...], a Python loop with static layer indices;
   separate:  32 separate arrays per weight, a Python loop,
 and prints ms and GB/s of weight bytes for each.

@@ -6,7 +6,7 @@ Builds the LLaMA-2-7B-shaped model of `benchmarks/inference.py`, then
   decode:  a cache with every row's length set to the context (as `--no-prefill` there),
            `generate.decode_loop` (as generate runs), warm steps, then `--steps` steps under
            the profiler, then as many untraced;
-  prefill: (with `--prefill`) one warm `decode.prefill` of the context under the trace.
+  prefill: (with `--prefill`) one warm `prefill.prefill` of the context under the trace.
 `--no-decode` skips the decode phase; `--clocks` samples the SM clock and power draw
 (`nvidia-smi`, every 20 ms) during the traced prefill and prints their spread.
 The trace (`.xplane.pb`) is read with `jax.profiler.ProfileData`: for each phase it prints the
@@ -151,7 +151,8 @@ def main(argv=None):
     from benchmarks.inference import SHAPES, _max_len
     from benchmarks.measure import PAPER_PATTERNS
     from cca_jax.config import LlamaConfig
-    from cca_jax.decode import decode_implementation, prefill
+    from cca_jax.decode import decode_implementation
+    from cca_jax.prefill import prefill
     from cca_jax.generate import decode_loop
     from cca_jax.kv_cache import init_cache
     from cca_jax.model import LlamaForCausalLM

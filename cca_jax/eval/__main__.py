@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from cca_jax.eval import common
-from cca_jax.generate import UsageError, add_model_args
+from cca_jax.cli import UsageError, add_model_args
 
 
 def _shared(ap: argparse.ArgumentParser) -> None:

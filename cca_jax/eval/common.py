@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from cca_jax.generate import UsageError, attention_overrides, check_checkpoint, load_tokenizer
+from cca_jax.cli import UsageError, attention_overrides, check_checkpoint, mesh_from_args
+from cca_jax.tokenizer import load_tokenizer
 
 
 def check_positive(name: str, value, *, zero_ok: bool = False) -> None:
@@ -22,7 +23,8 @@ def check_positive(name: str, value, *, zero_ok: bool = False) -> None:
 
 def load_model(a):
     """`from_pretrained(--ckpt)` with the attention flags, --dtype and
-    --max-position-embeddings applied; UsageError for what the user can fix."""
+    --max-position-embeddings applied, its parameters on the `--mesh` devices when given;
+    UsageError for what the user can fix."""
     from cca_jax.pretrained import from_pretrained
 
     ckpt = check_checkpoint(a.ckpt)
@@ -38,10 +40,15 @@ def load_model(a):
         if not a.rope_theta > 0:
             raise UsageError(f"--rope-theta must be > 0, got {a.rope_theta}.")
         overrides["rope_theta"] = a.rope_theta
+    mesh = mesh_from_args(a)
     try:
-        return from_pretrained(ckpt, dtype=a.dtype, **overrides)
+        model = from_pretrained(ckpt, dtype=a.dtype, **overrides)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
+    if mesh is not None:
+        from cca_jax.sharding import shard_model
+        shard_model(model, mesh)
+    return model
 
 
 def load_checkpoint_tokenizer(a):

@@ -120,8 +120,9 @@ def score(record: dict[str, Any], prediction: str) -> bool:
 
 def evaluate(model, tokenizer, records: Sequence[dict[str, Any]], *, max_new_tokens: int = 32,
              batch_size: int = 1, chunk_size: int = 2048,
-             progress: bool = True) -> list[dict[str, Any]]:
-    """Greedy answers and scores, one dict per record."""
+             progress: bool = True, mesh=None) -> list[dict[str, Any]]:
+    """Greedy answers and scores, one dict per record; over `mesh`'s devices when given
+    (`generate`'s `mesh`)."""
     from tqdm import tqdm
 
     from cca_jax.generate import generate
@@ -139,7 +140,8 @@ def evaluate(model, tokenizer, records: Sequence[dict[str, Any]], *, max_new_tok
                              f"exceeds max_position_embeddings="
                              f"{model.config.max_position_embeddings}: use a model with a "
                              "longer context (--max-position-embeddings) or fewer documents.")
-        new = generate(model, ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size)
+        new = generate(model, ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+                       mesh=mesh)
         for r, (_, gold), prompt_ids, answer in zip(batch, prompts, ids, new):
             text = tokenizer.decode(answer, skip_special_tokens=True)
             out.append({"gold_position": gold, "prompt_tokens": len(prompt_ids),
@@ -160,9 +162,9 @@ def by_gold_position(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_mdqa(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval mdqa`: (JSON record, markdown table)."""
+    from cca_jax.cli import UsageError, mesh_from_args
     from cca_jax.eval.common import (attention_record, check_checkpoint, check_positive,
                                      load_checkpoint_tokenizer, load_model, markdown_table)
-    from cca_jax.generate import UsageError
 
     check_checkpoint(a.ckpt)
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--batch-size", a.batch_size),
@@ -179,7 +181,7 @@ def run_mdqa(a) -> tuple[dict[str, Any], str]:
     try:
         results = evaluate(model, tokenizer, records, max_new_tokens=a.max_new_tokens,
                            batch_size=a.batch_size, chunk_size=a.chunk_size,
-                           progress=not a.no_progress)
+                           progress=not a.no_progress, mesh=mesh_from_args(a))
     except ValueError as e:
         raise UsageError(str(e)) from None
     fmt = record_format(records[0])

@@ -18,17 +18,18 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import types
 from typing import Any, Sequence
 
 TASKS = ("passkey", "niah")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again.")
-INTRO = {
+INTRO = types.MappingProxyType({
     "passkey": ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                 "memorize it. I will quiz you about the important information there."),
     "niah": ("Some special magic numbers are hidden within the following text. Make sure to "
              "memorize it. I will quiz you about the numbers afterwards."),
-}
+})
 KEY_WORDS = ("apple", "anchor", "badge", "canyon", "cellar", "comet", "crystal", "dolphin",
              "ember", "falcon", "garnet", "harbor", "island", "jasmine", "lantern", "maple",
              "meadow", "nectar", "orchid", "pepper", "quartz", "raven", "saddle", "tiger",
@@ -110,9 +111,10 @@ def exact_match(prediction: str, answer: str) -> bool:
 
 def evaluate(model, tokenizer, samples: Sequence[Sample], *, batch_size: int = 1,
              max_new_tokens: int | None = None, chunk_size: int = 2048,
-             progress: bool = True) -> list[dict[str, Any]]:
+             progress: bool = True, mesh=None) -> list[dict[str, Any]]:
     """Greedy answers for every sample: a list of {length, depth, answer, prediction,
-    correct}. Prompts of one length run in batches of `batch_size`."""
+    correct}. Prompts of one length run in batches of `batch_size`, over `mesh`'s devices
+    when given (`generate`'s `mesh`)."""
     from tqdm import tqdm
 
     from cca_jax.generate import generate
@@ -124,7 +126,7 @@ def evaluate(model, tokenizer, samples: Sequence[Sample], *, batch_size: int = 1
     for b0 in range(0, len(samples), batch_size):
         batch = samples[b0:b0 + batch_size]
         new = generate(model, [s.input_ids for s in batch], max_new_tokens=max_new_tokens,
-                       chunk_size=chunk_size)
+                       chunk_size=chunk_size, mesh=mesh)
         for s, ids in zip(batch, new):
             text = tokenizer.decode(ids, skip_special_tokens=True)
             out.append({"length": s.length, "depth": s.depth, "prompt_tokens": len(s.input_ids),
@@ -146,9 +148,9 @@ def summarize(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_passkey(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval passkey`: (JSON record, markdown table by length x depth)."""
+    from cca_jax.cli import UsageError, mesh_from_args
     from cca_jax.eval.common import (attention_record, check_checkpoint, check_positive,
                                      load_checkpoint_tokenizer, load_model, markdown_table)
-    from cca_jax.generate import UsageError
 
     check_checkpoint(a.ckpt)
     check_positive("--samples", a.samples)
@@ -178,7 +180,7 @@ def run_passkey(a) -> tuple[dict[str, Any], str]:
                          "fine-tuned (or rope-scaled) that long.")
     results = evaluate(model, tokenizer, samples, batch_size=a.batch_size,
                        max_new_tokens=new_tokens, chunk_size=a.chunk_size,
-                       progress=not a.no_progress)
+                       progress=not a.no_progress, mesh=mesh_from_args(a))
     cells = summarize(results)
     accuracy = sum(r["correct"] for r in results) / len(results)
     record = {"task": "passkey", "task_kind": a.task, "ckpt": str(a.ckpt),

@@ -11,7 +11,7 @@ The protocol (`perplexity(model, ids, seq_len, stride)`):
 - ppl = exp(mean negative log-likelihood over all scored tokens).
 
 Logits never exist for a whole window: the final hidden states are cut into chunks of
-`chunk` positions and `train.step.chunk_cross_entropy` (the training loss) gives each
+`chunk` positions and `cca_jax.losses.chunk_cross_entropy` (the training loss) gives each
 chunk's summed NLL, which is also the perplexity-by-position curve.
 """
 
@@ -90,7 +90,7 @@ def chunk_nll_fn(model, chunk: int):
     over window positions cut into chunks of `chunk` (one compile per batch shape)."""
     from flax import nnx
 
-    from train.step import chunk_cross_entropy
+    from cca_jax.losses import chunk_cross_entropy
 
     graphdef, _ = nnx.split(model)
 
@@ -160,7 +160,7 @@ def read_token_file(path) -> np.ndarray:
     import json
     from pathlib import Path
 
-    from cca_jax.generate import UsageError
+    from cca_jax.cli import UsageError
 
     path = Path(path)
     if not path.is_file():
@@ -183,8 +183,8 @@ def read_text_tokens(a) -> np.ndarray:
     """--text-file as-is through the checkpoint's tokenizer, without special tokens."""
     from pathlib import Path
 
+    from cca_jax.cli import UsageError
     from cca_jax.eval.common import load_checkpoint_tokenizer
-    from cca_jax.generate import UsageError
 
     try:
         text = Path(a.text_file).read_text(encoding="utf-8")
@@ -201,9 +201,9 @@ def read_text_tokens(a) -> np.ndarray:
 
 def run_ppl(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval ppl`: (JSON record with key `ppl`, markdown table)."""
+    from cca_jax.cli import UsageError
     from cca_jax.eval.common import (attention_label, attention_record, check_checkpoint,
                                      load_model)
-    from cca_jax.generate import UsageError
 
     check_checkpoint(a.ckpt)
     ids = read_token_file(a.token_file) if a.token_file else read_text_tokens(a)
