@@ -29,6 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from cca_jax.attention.cached import layer_of
 from cca_jax.blocks import AttentionPattern, ring_positions, ring_size
 from cca_jax.config import LlamaConfig
 
@@ -133,11 +134,6 @@ def check_cache(cfg: LlamaConfig, cache: KVCache) -> None:
         raise ValueError(
             f"The cache's (layers, heads, head_dim) {got_raw} / {got_slots} do not match the "
             f"model's {want_raw} / {want_slots}: make it with init_cache(model.config, ...).")
-
-
-def layer_of(x, i):
-    """Layer `i` (static or traced) of a stacked cache array."""
-    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
 def put_layer(x, i, layer):

@@ -41,7 +41,8 @@ def cached_attention(q, k_ring, v_ring, ck, cv, raw_visible, slot_visible):
     return (out / denom[..., None]).reshape(b, hq, d)
 
 
-def _layer(x, i):
+def layer_of(x, i):
+    """Layer `i` (static or traced) of a stacked cache array."""
     return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
@@ -49,6 +50,6 @@ def decode_attention_xla(q, k_all, v_all, ck, cv, layer, pattern, positions):
     """`cached_attention` of layer `layer` of the stacked `[L, B, ...]` cache arrays for
     queries at `positions` `[B]` under `pattern`."""
     ring, num_slots = k_all.shape[2], ck.shape[2]
-    return cached_attention(q, _layer(k_all, layer), _layer(v_all, layer), _layer(ck, layer),
-                            _layer(cv, layer), blocks.cache_raw_visible(pattern, positions, ring),
+    return cached_attention(q, layer_of(k_all, layer), layer_of(v_all, layer), layer_of(ck, layer),
+                            layer_of(cv, layer), blocks.cache_raw_visible(pattern, positions, ring),
                             blocks.cache_slot_visible(pattern, positions, num_slots))
