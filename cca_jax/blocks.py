@@ -468,6 +468,46 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+# ---- Narrow edge blocks ----------------------------------------------------------------------
+# When a walk's first (or last) block holds visible members only in its last (first) few
+# positions, a kernel visits just those as one narrow block instead of the whole block. This
+# is what keeps CCA with sinks as fast as without: N sinks move every raw window by N rows,
+# so most query blocks' windows start a few keys before a key-block boundary (and most raw
+# key blocks are last seen a few rows past a query-block boundary).
+
+def _as_count(flag):
+    """A bool (Python, numpy or traced) as the int 0 or 1."""
+    return int(flag) if isinstance(flag, (bool, np.bool_)) else flag.astype(np.int32)
+
+
+def narrow_head(bounds, lo, block: int, narrow: int):
+    """Split a narrow head off a walk `bounds = (first, full_first, full_last, last)` whose
+    members visible in block `first` are all `>= lo`.
+
+    Returns `(head, head_start, bounds)`: `head` is 1 when they all lie in the block's last
+    `narrow` positions `[head_start, head_start + narrow)` (visit those, masked, as one
+    narrow block), else 0; `bounds` walk the rest (`first + head` on).
+    """
+    first, full_first, full_last, last = bounds
+    head_start = (first + 1) * block - narrow
+    head = _as_count((lo >= head_start) & (first < last))
+    first = first + head
+    full_first = _maximum(full_first, first)
+    return head, head_start, (first, full_first, _maximum(full_last, full_first), last)
+
+
+def narrow_tail(bounds, hi, block: int, narrow: int):
+    """Split a narrow tail off a walk whose members visible in block `last - 1` are all
+    `<= hi`: `(tail, tail_start, bounds)`, `tail` 1 when they lie in its first `narrow`
+    positions `[tail_start, tail_start + narrow)` (visit those, masked), `bounds` the rest."""
+    first, full_first, full_last, last = bounds
+    tail_start = (last - 1) * block
+    tail = _as_count((hi < tail_start + narrow) & (first < last))
+    last = last - tail
+    full_last = _minimum(full_last, last)
+    return tail, tail_start, (first, _minimum(full_first, full_last), full_last, last)
+
+
 # ---- Query blocks per key block (backward passes over keys) --------------------------------
 # The rows that see a raw key `u` or a core slot `c` form one interval `[a(x), b(x)]` whose ends
 # are non-decreasing in `x` (a consequence of the monotone row bounds above), so a block of

@@ -367,6 +367,33 @@ def test_pallas_gpu_kernels_interpret():
         assert _max_err(got, want) < 4 * GRAD_TOL, (dname, _max_err(got, want))
 
 
+def test_pallas_gpu_narrow_edge_blocks_interpret():
+    """Sinks off the group grid with s a multiple of the blocks (the paper's geometry, where
+    the kernels visit narrow head/tail blocks: `blocks.narrow_head` / `narrow_tail`): forward
+    and dq windows starting in the last keys of a key block, dk/dv key blocks last seen in
+    the first rows of a query block. Narrow edges on and off, against float64."""
+    from cca_jax.attention.pallas_gpu import cca_attention_pallas_gpu
+    g, s, n, length = 4, 32, 3, 128
+    q, k, v, ct = _inputs(1, length, 2, 1, 64, seed=5)
+    pattern = CCA(g, s, n)
+    raw_lo = np.asarray(pattern.raw_start(np.arange(length)))
+    heads = [blocks.narrow_head(blocks.raw_blocks_for_rows(r0, r0 + 31, int(raw_lo[r0]),
+                                                           int(raw_lo[r0 + 31]), 32),
+                                int(raw_lo[r0]), 32, 8)[0] for r0 in range(0, length, 32)]
+    assert sum(heads) >= 2, heads                    # the narrow path is exercised
+    ref, ref_grads = _f64(_out_and_grads(
+        lambda q, k, v: sinks_reference(q, k, v, g, s, n)), q, k, v, ct)
+    tiles = dict(block_q=32, block_k=32, dq_block_q=32, dq_block_k=32, dkv_block_k=32,
+                 dkv_block_q=32, dc_block_k=32, dc_block_q=32)
+    for narrow in (8, 0):
+        attend = functools.partial(cca_attention_pallas_gpu, group_size=g, window_size=s,
+                                   sink_tokens=n, interpret=True, narrow_block=narrow, **tiles)
+        out, grads = jax.jit(_out_and_grads(attend))(q, k, v, ct)
+        assert _max_err(out, ref) < OUT_TOL, narrow
+        for dname, got, want in zip("qkv", grads, ref_grads):
+            assert _max_err(got, want) < 4 * GRAD_TOL, (narrow, dname, _max_err(got, want))
+
+
 def _tpu_case(grads: bool):
     """The Mosaic kernels in the TPU interpreter (out-of-bounds reads raise, fresh memory is
     NaN, races detected): L = 150 (not a multiple of g or of the 128-row blocks), G = 2,

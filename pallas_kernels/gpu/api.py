@@ -24,6 +24,14 @@ def _check_block(name: str, value) -> None:
         raise ValueError(f"{name} must be one of {_POW2} (a power of two), got {value!r}.")
 
 
+def _check_narrow(value, interpret: bool) -> None:
+    smallest = 1 if interpret else 16     # Triton's smallest dot operand
+    power_of_two = isinstance(value, int) and value > 0 and value & (value - 1) == 0
+    if value != 0 and not (power_of_two and value >= smallest):
+        raise ValueError(f"narrow_block must be 0 (off) or a power of two >= {smallest}, "
+                         f"got {value!r}.")
+
+
 # float32 inputs: the bf16 tiles would need up to 260 KiB of shared memory on sm_90 (limit
 # 227 KiB); these fit (offline ptxas check), at some register spilling in dk/dv and dck/dcv.
 _FLOAT32_TILING = dict(block_q=64, block_k=32, num_warps=8, num_stages=2,
@@ -42,7 +50,9 @@ def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelCon
     for name, value in fields.items():
         if name not in KernelConfig._fields or name == "interpret":
             raise ValueError(f"unknown kernel setting {name!r}.")
-        if "block" in name:
+        if name == "narrow_block":
+            _check_narrow(value, interpret)
+        elif "block" in name:
             _check_block(name, value)
     tiling = dict(_FLOAT32_TILING) if dtype is not None and jnp.dtype(dtype).itemsize > 2 else {}
     tiling.update(fields)

@@ -72,6 +72,12 @@ class KernelConfig(NamedTuple):
     dc_block_q: int = 64
     dc_num_warps: int = 8
     dc_num_stages: int = 3
+    # Raw-window edge blocks visited narrow (`blocks.narrow_head` / `narrow_tail`): a forward
+    # or dq window that starts in the last `narrow_block` keys of a key block visits only
+    # those; a dk/dv key block last seen in the first `narrow_block` rows of a query block
+    # visits only those. 0: off. 16, Triton's smallest dot, is what keeps CCA with sinks as
+    # fast as without (benchmarks/results/research/cca_sinks_speed_h200.md).
+    narrow_block: int = 16
     # How each kernel walks its blocks (a key of LOOP_STYLES): the faster of the two per
     # kernel on the H200 (measurements: benchmarks/results/pallas_gpu_h200_notes.md).
     # key_loop_style: the dk/dv and dck/dcv kernels.
@@ -181,28 +187,31 @@ def _kv_head_map(groups: int):
 
 
 def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, chi_ref, *,
-                         block_k: int, step, carry, loops):
+                         block_k: int, narrow: int, step, carry, loops):
     """Fold `step(key_block, value_block, scores, carry)` over the blocks rows `[r0, r0+bq)` see.
 
     Raw-window blocks first (every row sees its own key, so a running max is finite before
     any fully masked block), then core blocks; only edge blocks get a mask (`loops` is
-    `_split_loops` or `_cond_loops`).
+    `_split_loops` or `_cond_loops`). A window starting in the last `narrow` keys of a block
+    visits only those of it (`blocks.narrow_head`).
     Scores are `q @ k.T`, unscaled (callers fold the scale into one FMA with the shift they
     subtract before `exp2`), masked entries `-inf`.
     """
     rows = r0 + jnp.arange(q.shape[0], dtype=jnp.int32)
     rlo, clo, chi = rlo_ref[...], clo_ref[...], chi_ref[...]
 
+    def visit(keys_ref, values_ref, visible, k0, width: int, carry, masked):
+        kb = keys_ref[pl.ds(k0, width), :]
+        vb = values_ref[pl.ds(k0, width), :]
+        s = _dot(q, kb, tb=True)
+
+        def mask(s):
+            return jnp.where(visible(k0 + jnp.arange(width, dtype=jnp.int32)), s, _MASKED)
+        return step(kb, vb, _apply_mask(masked, mask, s), carry)
+
     def loop_body(keys_ref, values_ref, visible):
         def body(j, carry, masked):
-            k0 = j * block_k
-            kb = keys_ref[pl.ds(k0, block_k), :]
-            vb = values_ref[pl.ds(k0, block_k), :]
-            s = _dot(q, kb, tb=True)
-
-            def mask(s):
-                return jnp.where(visible(k0 + jnp.arange(block_k, dtype=jnp.int32)), s, _MASKED)
-            return step(kb, vb, _apply_mask(masked, mask, s), carry)
+            return visit(keys_ref, values_ref, visible, j * block_k, block_k, carry, masked)
         return body
 
     def raw_visible(keys):
@@ -212,8 +221,13 @@ def _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, 
         return _core_visible(slots[None, :], clo[:, None], chi[:, None])
 
     r1 = r0 + q.shape[0] - 1
-    carry = loops(blocks.raw_blocks_for_rows(r0, r1, *_first_last(rlo_ref), block_k),
-                  loop_body(k_ref, v_ref, raw_visible), carry)
+    rlo_first, rlo_last = _first_last(rlo_ref)
+    raw = blocks.raw_blocks_for_rows(r0, r1, rlo_first, rlo_last, block_k)
+    if 0 < narrow < block_k:
+        head, head_start, raw = blocks.narrow_head(raw, rlo_first, block_k, narrow)
+        carry = lax.fori_loop(0, head, lambda _, carry: visit(
+            k_ref, v_ref, raw_visible, head_start, narrow, carry, True), carry)
+    carry = loops(raw, loop_body(k_ref, v_ref, raw_visible), carry)
     return loops(blocks.core_blocks_for_rows(*_first_last(clo_ref), *_first_last(chi_ref),
                                              block_k),
                  loop_body(ck_ref, cv_ref, core_visible), carry)
@@ -243,8 +257,9 @@ def _query_specs(q, k, ck, block_q: int, heavy_first: bool) -> _QuerySpecs:
         core=pl.BlockSpec((None, ck.shape[1], None, d), lambda i, h, z: (z, 0, h, 0)))
 
 
-def _query_kernel(kernel, q, block_q: int, block_k: int, loop_style: str, heavy_first: bool):
-    return functools.partial(kernel, block_q=block_q, block_k=block_k,
+def _query_kernel(kernel, q, block_q: int, block_k: int, narrow: int, loop_style: str,
+                  heavy_first: bool):
+    return functools.partial(kernel, block_q=block_q, block_k=block_k, narrow=narrow,
                              scale=1.0 / math.sqrt(q.shape[-1]),
                              loops=LOOP_STYLES[loop_style], heavy_first=heavy_first)
 
@@ -252,8 +267,8 @@ def _query_kernel(kernel, q, block_q: int, block_k: int, loop_style: str, heavy_
 # ---- forward -----------------------------------------------------------------------------
 
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
-                o_ref, lse_ref, *, block_q: int, block_k: int, scale: float, loops,
-                heavy_first: bool):
+                o_ref, lse_ref, *, block_q: int, block_k: int, narrow: int, scale: float,
+                loops, heavy_first: bool):
     r0 = _query_block(pl.program_id(0), pl.num_programs(0), heavy_first) * block_q
     q = q_ref[...]
     c = scale * _LOG2E
@@ -272,8 +287,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, rlo_ref, clo_ref, chi_ref,
              jnp.full((block_q,), _MAX_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     carry = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref,
-                                 chi_ref, block_k=block_k, step=step, carry=carry,
-                                 loops=loops)
+                                 chi_ref, block_k=block_k, narrow=narrow, step=step,
+                                 carry=carry, loops=loops)
     acc, m_i, l_i = carry
     l_i = jnp.maximum(l_i, 1e-30)   # every row sees its own key: l >= 1; guard anyway
     o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
@@ -285,8 +300,8 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     b, lp, hq, _ = q.shape
     specs = _query_specs(q, k, ck, cfg.block_q, cfg.forward_heavy_first)
     return pl.pallas_call(
-        _query_kernel(_fwd_kernel, q, cfg.block_q, cfg.block_k, cfg.forward_loop_style,
-                      cfg.forward_heavy_first),
+        _query_kernel(_fwd_kernel, q, cfg.block_q, cfg.block_k, cfg.narrow_block,
+                      cfg.forward_loop_style, cfg.forward_heavy_first),
         grid=specs.grid,
         in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core,
                   specs.rows, specs.rows, specs.rows],
@@ -302,8 +317,8 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
 # ---- backward: dq --------------------------------------------------------------------------
 
 def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
-               rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, scale: float,
-               loops, heavy_first: bool):
+               rlo_ref, clo_ref, chi_ref, dq_ref, *, block_q: int, block_k: int, narrow: int,
+               scale: float, loops, heavy_first: bool):
     r0 = _query_block(pl.program_id(0), pl.num_programs(0), heavy_first) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -316,7 +331,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
         return dq + _dot(ds.astype(kb.dtype), kb)
 
     dq = _walk_visible_blocks(q, k_ref, v_ref, ck_ref, cv_ref, r0, rlo_ref, clo_ref, chi_ref,
-                              block_k=block_k, step=step,
+                              block_k=block_k, narrow=narrow, step=step,
                               carry=jnp.zeros(q.shape, jnp.float32), loops=loops)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
@@ -324,8 +339,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
 def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     specs = _query_specs(q, k, ck, cfg.dq_block_q, cfg.dq_heavy_first)
     return pl.pallas_call(
-        _query_kernel(_dq_kernel, q, cfg.dq_block_q, cfg.dq_block_k, cfg.dq_loop_style,
-                      cfg.dq_heavy_first),
+        _query_kernel(_dq_kernel, q, cfg.dq_block_q, cfg.dq_block_k, cfg.narrow_block,
+                      cfg.dq_loop_style, cfg.dq_heavy_first),
         grid=specs.grid,
         in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core, specs.q,
                   specs.head_rows, specs.head_rows, specs.rows, specs.rows, specs.rows],
@@ -361,32 +376,41 @@ def _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv):
 
 
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, rlo_ref, k_ref, v_ref, last_row_ref,
-                dk_ref, dv_ref, *, block_q: int, block_k: int, groups: int, head_dim: int,
-                padded_len: int, scale: float, loops):
+                dk_ref, dv_ref, *, block_q: int, block_k: int, narrow: int, groups: int,
+                head_dim: int, padded_len: int, scale: float, loops):
     k0 = pl.program_id(0) * block_k
     keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
     kb, vb = k_ref[...], v_ref[...]
     c = scale * _LOG2E
-    bounds = blocks.row_blocks_for_interval(k0, k0 + block_k - 1, *_first_last(last_row_ref),
-                                            block_q)
+    last_row = _first_last(last_row_ref)
+    bounds = blocks.row_blocks_for_interval(k0, k0 + block_k - 1, *last_row, block_q)
+    narrow_tail = 0 < narrow < block_q   # the last query block's rows up to last_row[1] only
+    if narrow_tail:
+        tail, tail_start, bounds = blocks.narrow_tail(bounds, last_row[1], block_q, narrow)
+
     def head(gi, carry):         # query heads of this KV head, summed in registers
-        def body(i, carry, masked):
+        def tile(r0, rows: int, carry, masked):
             dk, dv = carry
-            r0 = i * block_q
-            q = q_ref[pl.ds(r0, block_q), pl.ds(gi * head_dim, head_dim)]
-            do = do_ref[pl.ds(r0, block_q), pl.ds(gi * head_dim, head_dim)]
-            lse = lse_ref[pl.ds(gi * padded_len + r0, block_q)]
-            delta = delta_ref[pl.ds(gi * padded_len + r0, block_q)]
+            q = q_ref[pl.ds(r0, rows), pl.ds(gi * head_dim, head_dim)]
+            do = do_ref[pl.ds(r0, rows), pl.ds(gi * head_dim, head_dim)]
+            lse = lse_ref[pl.ds(gi * padded_len + r0, rows)]
+            delta = delta_ref[pl.ds(gi * padded_len + r0, rows)]
             s_t = _dot(kb, q, tb=True)
 
             def mask(s_t):
-                rows = r0 + jnp.arange(block_q, dtype=jnp.int32)
-                rlo = rlo_ref[pl.ds(r0, block_q)]
-                return jnp.where(_raw_visible(keys[:, None], rows[None, :], rlo[None, :]),
+                row_ids = r0 + jnp.arange(rows, dtype=jnp.int32)
+                rlo = rlo_ref[pl.ds(r0, rows)]
+                return jnp.where(_raw_visible(keys[:, None], row_ids[None, :], rlo[None, :]),
                                  s_t, _MASKED)
             s_t = _apply_mask(masked, mask, s_t)
             return _key_grads(vb, q, do, lse, delta, s_t, c, dk, dv)
-        return loops(bounds, body, carry)
+
+        carry = loops(bounds, lambda i, carry, masked: tile(i * block_q, block_q, carry,
+                                                             masked), carry)
+        if not narrow_tail:
+            return carry
+        return lax.fori_loop(0, tail, lambda _, carry: tile(tail_start, narrow, carry, True),
+                             carry)
 
     zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
     if groups == 1:
@@ -407,7 +431,8 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
     dog = do.reshape(b, lp, hkv, groups * d)
     lseg = lse.reshape(b, hkv, groups * lp)
     deltag = delta.reshape(b, hkv, groups * lp)
-    kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk, groups=groups,
+    kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk, narrow=cfg.narrow_block,
+                               groups=groups,
                                head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d),
                                loops=LOOP_STYLES[cfg.key_loop_style])
     whole_q = pl.BlockSpec((None, lp, None, groups * d), lambda i, h, z: (z, 0, h, 0))
