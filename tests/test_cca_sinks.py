@@ -387,7 +387,8 @@ def test_pallas_gpu_narrow_edge_blocks_interpret():
                  dkv_block_q=32, dc_block_k=32, dc_block_q=32)
     for narrow in (8, 0):
         attend = functools.partial(cca_attention_pallas_gpu, group_size=g, window_size=s,
-                                   sink_tokens=n, interpret=True, narrow_block=narrow, **tiles)
+                                   sink_tokens=n, interpret=True, narrow_block=narrow,
+                                   dq_narrow_block=narrow, dkv_narrow_block=narrow, **tiles)
         out, grads = jax.jit(_out_and_grads(attend))(q, k, v, ct)
         assert _max_err(out, ref) < OUT_TOL, narrow
         for dname, got, want in zip("qkv", grads, ref_grads):

@@ -24,11 +24,11 @@ def _check_block(name: str, value) -> None:
         raise ValueError(f"{name} must be one of {_POW2} (a power of two), got {value!r}.")
 
 
-def _check_narrow(value, interpret: bool) -> None:
+def _check_narrow(name: str, value, interpret: bool) -> None:
     smallest = 1 if interpret else 16     # Triton's smallest dot operand
     power_of_two = isinstance(value, int) and value > 0 and value & (value - 1) == 0
     if value != 0 and not (power_of_two and value >= smallest):
-        raise ValueError(f"narrow_block must be 0 (off) or a power of two >= {smallest}, "
+        raise ValueError(f"{name} must be 0 (off) or a power of two >= {smallest}, "
                          f"got {value!r}.")
 
 
@@ -50,8 +50,8 @@ def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelCon
     for name, value in fields.items():
         if name not in KernelConfig._fields or name == "interpret":
             raise ValueError(f"unknown kernel setting {name!r}.")
-        if name == "narrow_block":
-            _check_narrow(value, interpret)
+        if name.endswith("narrow_block"):
+            _check_narrow(name, value, interpret)
         elif "block" in name:
             _check_block(name, value)
     tiling = dict(_FLOAT32_TILING) if dtype is not None and jnp.dtype(dtype).itemsize > 2 else {}

@@ -72,12 +72,15 @@ class KernelConfig(NamedTuple):
     dc_block_q: int = 64
     dc_num_warps: int = 8
     dc_num_stages: int = 3
-    # Raw-window edge blocks visited narrow (`blocks.narrow_head` / `narrow_tail`): a forward
-    # or dq window that starts in the last `narrow_block` keys of a key block visits only
-    # those; a dk/dv key block last seen in the first `narrow_block` rows of a query block
-    # visits only those. 0: off. 16, Triton's smallest dot, is what keeps CCA with sinks as
-    # fast as without (benchmarks/results/research/cca_sinks_speed_h200.md).
+    # Raw-window edge blocks visited narrow (`blocks.narrow_head` / `narrow_tail`), per
+    # kernel: a forward (dq) window that starts in the last `narrow_block` (`dq_narrow_block`)
+    # keys of a key block visits only those; a dk/dv key block last seen in the first
+    # `dkv_narrow_block` rows of a query block visits only those. 0: off; else a power of two
+    # >= 16 (Triton's smallest dot). With sinks (N % g != 0) most windows start off the block
+    # grid (benchmarks/results/research/cca_sinks_speed_h200.md).
     narrow_block: int = 16
+    dq_narrow_block: int = 16
+    dkv_narrow_block: int = 16
     # How each kernel walks its blocks (a key of LOOP_STYLES): the faster of the two per
     # kernel on the H200 (measurements: benchmarks/results/pallas_gpu_h200_notes.md).
     # key_loop_style: the dk/dv and dck/dcv kernels.
@@ -339,7 +342,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
 def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     specs = _query_specs(q, k, ck, cfg.dq_block_q, cfg.dq_heavy_first)
     return pl.pallas_call(
-        _query_kernel(_dq_kernel, q, cfg.dq_block_q, cfg.dq_block_k, cfg.narrow_block,
+        _query_kernel(_dq_kernel, q, cfg.dq_block_q, cfg.dq_block_k, cfg.dq_narrow_block,
                       cfg.dq_loop_style, cfg.dq_heavy_first),
         grid=specs.grid,
         in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core, specs.q,
@@ -431,7 +434,8 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
     dog = do.reshape(b, lp, hkv, groups * d)
     lseg = lse.reshape(b, hkv, groups * lp)
     deltag = delta.reshape(b, hkv, groups * lp)
-    kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk, narrow=cfg.narrow_block,
+    kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk,
+                               narrow=cfg.dkv_narrow_block,
                                groups=groups,
                                head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d),
                                loops=LOOP_STYLES[cfg.key_loop_style])
