@@ -496,6 +496,22 @@ def narrow_head(bounds, lo, block: int, narrow: int):
     return head, head_start, (first, full_first, _maximum(full_last, full_first), last)
 
 
+def narrow_heads(pattern: AttentionPattern, length: int, block_q: int, block_k: int,
+                 narrow: int) -> int:
+    """Query blocks of one document of `length` tokens whose raw walk takes a narrow head.
+
+    Zero (e.g. CCA without sinks at block-aligned windows) means a kernel gains nothing from
+    compiling the narrow path in (host-side, Python ints).
+    """
+    if not 0 < narrow < block_k:
+        return 0
+    r0 = np.arange(0, length, block_q)
+    r1 = np.minimum(r0 + block_q, length) - 1
+    lo0, lo1 = (np.asarray(pattern.raw_start(r)) for r in (r0, r1))
+    bounds = raw_blocks_for_rows(r0, r1, lo0, lo1, block_k)
+    return int(np.sum(narrow_head(bounds, lo0, block_k, narrow)[0]))
+
+
 def narrow_tail(bounds, hi, block: int, narrow: int):
     """Split a narrow tail off a walk whose members visible in block `last - 1` are all
     `<= hi`: `(tail, tail_start, bounds)`, `tail` 1 when they lie in its first `narrow`

@@ -7,6 +7,7 @@ options (full, sliding, streaming), and the KV cache's ring and slots, are check
 per-query oracle of `tests/visibility_oracle.py` (also written from SPEC, not from `blocks`).
 """
 
+import functools
 import itertools
 
 import jax
@@ -573,3 +574,14 @@ def test_narrow_edges_traced():
     fn = jax.jit(lambda lo, hi: jnp.stack(both(lo, hi)))
     for lo, hi in [(60, 130), (59, 131), (63, 135)]:
         assert tuple(int(x) for x in fn(lo, hi)) == both(lo, hi)
+
+
+def test_narrow_heads_at_paper_sizes():
+    """128K, g = 16, s = 1024, blocks of 128: aligned windows take no narrow head; with 4
+    sinks nearly every query block does (1015 of 1024, the extra block the sinks cost)."""
+    count = functools.partial(blocks.narrow_heads, length=131072, block_q=128, block_k=128,
+                              narrow=16)
+    assert count(blocks.CCA(16, 1024, 0)) == 0 == count(blocks.CCA(16, 1024, 16))
+    assert count(blocks.CCA(16, 1024, 4)) == 1015
+    assert count(blocks.Sliding(1024)) == 0 == count(blocks.Full())
+    assert blocks.narrow_heads(blocks.CCA(16, 1024, 4), 131072, 128, 128, narrow=0) == 0

@@ -709,3 +709,14 @@ def test_gpu_decode_and_prefill_equal_one_forward():
     for t in range(70, 120):
         out, cache = decode_step(state, cache, ids[:, t])
         assert _max_err(out, ref[:, t]) < tol, t
+
+
+def test_pallas_gpu_compiles_the_narrow_head_only_where_it_pays():
+    """The backend turns the forward's narrow head off when no query block would take one
+    (it costs codegen even unused) and keeps it, or an explicit setting, otherwise."""
+    from cca_jax.attention.pallas_gpu import _narrow_where_it_pays
+    q = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.bfloat16)
+    assert _narrow_where_it_pays(CCA(16, 1024, 0), q, {}) == {"narrow_block": 0}
+    assert _narrow_where_it_pays(CCA(16, 1024, 4), q, {}) == {}
+    assert _narrow_where_it_pays(CCA(16, 1024, 0), q, {"narrow_block": 16}) == {
+        "narrow_block": 16}

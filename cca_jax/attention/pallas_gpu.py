@@ -34,8 +34,24 @@ def attention_pallas_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
     _check_head_dim(q.shape[-1])   # before pooling: a clear error, not a kernel failure
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
                                        segment_ids=segment_ids)
+    tiling = _narrow_where_it_pays(pattern, q, tiling)
     return blocked_attention_pallas_gpu(q, k, v, ck, cv, *bounds, interpret=interpret,
                                         **tiling)
+
+
+def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict) -> dict:
+    """`tiling` with the forward's narrow head off when no query block of one document of
+    this length would take one: compiled in, the narrow path costs about 1-2% of the forward
+    even when it never runs (H200, 128K), while with sinks off the group grid it saves the
+    mostly-masked key block of nearly every query block
+    (benchmarks/results/research/sinks_narrow_h200.md). An explicit `narrow_block` stays."""
+    from pallas_kernels.gpu import kernel_config
+    if tiling.get("narrow_block") is not None:
+        return tiling
+    cfg = kernel_config(q.dtype, **tiling)
+    if blocks.narrow_heads(pattern, q.shape[1], cfg.block_q, cfg.block_k, cfg.narrow_block):
+        return tiling
+    return dict(tiling, narrow_block=0)
 
 
 def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,

@@ -78,9 +78,11 @@ class KernelConfig(NamedTuple):
     # `dkv_narrow_block` rows of a query block visits only those. 0: off; else a power of two
     # >= 16 (Triton's smallest dot). With sinks (N % g != 0) most windows start off the block
     # grid (benchmarks/results/research/cca_sinks_speed_h200.md).
+    # On the H200 at 128K with 4 sinks the forward's head saved 1.5%, while dq's and dk/dv's
+    # cost 0.4% and 1.6% more than they saved (research/sinks_narrow_h200.md): off there.
     narrow_block: int = 16
-    dq_narrow_block: int = 16
-    dkv_narrow_block: int = 16
+    dq_narrow_block: int = 0
+    dkv_narrow_block: int = 0
     # How each kernel walks its blocks (a key of LOOP_STYLES): the faster of the two per
     # kernel on the H200 (measurements: benchmarks/results/pallas_gpu_h200_notes.md).
     # key_loop_style: the dk/dv and dck/dcv kernels.
