@@ -23,7 +23,8 @@ def test_supports_gives_the_reason():
     for entry in ("attention", "blocked", "decode"):
         assert xla.supports(Streaming(8), "tpu", "float32", 96, True, entry) is None
     assert BACKENDS["pallas_gpu"].supports(PAPER, "cpu", "float32", 64, True) is None  # interpret
-    assert "head_dim" in BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 96, False)
+    assert BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 96, False) is None  # padded
+    assert "head_dim" in BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 160, False)
 
 
 def test_explicit_requests_that_cannot_run_name_the_fix():
@@ -51,7 +52,8 @@ def test_prefill_and_decode_entries():
     assert blocked("auto", Full()) == "pallas_gpu"          # cuDNN has no per-row bounds
     assert blocked("cudnn", Full()) == "pallas_gpu"
     assert blocked("naive", PAPER, platform="cpu") == "xla"
-    assert blocked("auto", PAPER, d=96) == "xla"
+    assert blocked("auto", PAPER, d=96) == "pallas_gpu"        # zero-padded to 128
+    assert blocked("auto", PAPER, d=160) == "xla"
     assert blocked("auto", PAPER, platform="tpu") == "pallas_tpu"
     assert decode("auto", PAPER) == "pallas_gpu"
     assert decode("auto", PAPER, d=96) == "xla"

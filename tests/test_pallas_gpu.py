@@ -48,6 +48,8 @@ CASES = {
     "packed": (2, 130, 2, 1, 64, 3, 10, "cca", True, "float32", "small"),
     # D = 128 (all other cases D = 64)
     "d128": (1, 80, 2, 1, 128, 4, 19, "cca", False, "float32", "small"),
+    # D = 80: zero-padded to the 128-wide kernels, softmax scale 1/sqrt(80)
+    "d80_padded": (1, 72, 2, 1, 80, 4, 21, "cca", False, "float32", "small"),
     # float16 inputs
     "float16": (1, 100, 2, 1, 64, 4, 21, "cca", False, "float16", "small"),
     # bf16, the default (GPU) tiling: several query and core blocks of 128
@@ -59,7 +61,7 @@ CASES = {
     "mean": (1, 72, 2, 1, 64, 4, 21, "mean", False, "float32", "small"),
     "max": (1, 72, 2, 1, 64, 4, 21, "max", False, "float32", "small"),
 }
-DEFAULT_CASES = ("gqa_ragged", "packed", "d128", "bf16_default_tiling")
+DEFAULT_CASES = ("gqa_ragged", "packed", "d128", "d80_padded", "bf16_default_tiling")
 
 # Tolerances: measured max abs error against the float64 reference over the cases of a dtype
 # (interpret mode, CPU, jax 0.10.2; inputs and cotangent standard normal), times a margin.
@@ -320,18 +322,20 @@ def test_dispatch():
                                atol=TOLERANCES["float32"]["out"])
 
 
-def test_auto_falls_back_to_xla_for_other_head_dims(monkeypatch):
-    """"auto" on a GPU with head_dim 96 (not a kernel size) picks xla: no error, no kernel in
-    the program (a dispatch test: the numerics of xla are tested in test_attention.py)."""
-    q, k, v = (jnp.zeros((1, 16, h, 96)) for h in (2, 1, 1))
+@pytest.mark.parametrize("head_dim,kernel", [(96, True), (160, False)])
+def test_auto_pads_head_dims_up_to_128_and_falls_back_above(monkeypatch, head_dim, kernel):
+    """"auto" on a GPU: head_dim 96 runs in the kernels (zero-padded to 128), 160 (above
+    every kernel's) in xla, without an error (a dispatch test: numerics are tested by the
+    cases above and in test_attention.py)."""
+    q, k, v = (jnp.zeros((1, 16, h, head_dim)) for h in (2, 1, 1))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     program = str(jax.make_jaxpr(functools.partial(cca_attention, group_size=4,
                                                    window_size=8))(q, k, v))
-    assert "pallas_call" not in program
+    assert ("pallas_call" in program) == kernel
 
 
 def test_bad_inputs():
-    q, k, v = (jnp.zeros((1, 32, h, 96)) for h in (2, 1, 1))
+    q, k, v = (jnp.zeros((1, 32, h, 160)) for h in (2, 1, 1))
     with pytest.raises(ValueError, match="implementation='xla'"):
         cca_attention_pallas_gpu(q, k, v, group_size=4, window_size=8)
     with pytest.raises(ValueError, match="implementation='xla'"):
@@ -341,6 +345,10 @@ def test_bad_inputs():
         cca_attention_pallas_gpu(q, k, v, group_size=4, window_size=8, block_q=48)
     with pytest.raises(ValueError, match="unknown kernel setting"):
         kernel_config(dq_blockq=16)
+    with pytest.raises(ValueError, match="unknown kernel setting"):
+        kernel_config(softmax_head_dim=80)       # set by the padding, not by callers
+    with pytest.raises(ValueError, match="narrow_block must be 0"):
+        kernel_config(narrow_block=8)            # below Triton's smallest dot
     with pytest.raises(ValueError, match="forward_loop_style"):
         kernel_config(forward_loop_style="unrolled")
     with pytest.raises(ValueError, match="dq_heavy_first"):
@@ -348,7 +356,7 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 8), ("float16", 64, 4),
-                                         ("float32", 128, 4)])
+                                         ("float32", 128, 4), ("bfloat16", 80, 8)])
 def test_lowers_through_triton_for_cuda(dtype, d, hkv):
     """Cross-lower fwd+bwd for CUDA on any machine: every kernel goes through the Triton
     lowering (catches unsupported ops and shapes; not shared-memory limits or Triton's own

@@ -19,11 +19,11 @@ DECODE_HEAD_DIMS = (64, 128, 256)
 
 
 def _check_head_dim(d: int) -> None:
-    from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS
-    if d not in SUPPORTED_HEAD_DIMS:
+    from pallas_kernels.gpu.kernels import KERNEL_HEAD_DIMS, padded_head_dim
+    if padded_head_dim(d) is None:
         raise ValueError(
-            f"implementation='pallas_gpu' supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
-            "use implementation='xla' (or 'auto', which falls back to it).")
+            f"implementation='pallas_gpu' supports head_dim up to {KERNEL_HEAD_DIMS[-1]}, got "
+            f"{d}; use implementation='xla' (or 'auto', which falls back to it).")
 
 
 def attention_pallas_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
@@ -58,7 +58,7 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
                              sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
                              interpret=None, **tiling):
     """CCA attention (SPEC.md; `sink_tokens`: section 6) through the Pallas GPU kernels;
-    the result of `cca_attention`. D in (64, 128). `tiling`: KernelConfig field overrides
+    the result of `cca_attention`. D up to 128 (64 and 128 native, others zero-padded). `tiling`: KernelConfig field overrides
     (block_q, block_k, num_warps, num_stages tile the forward kernel; dq_block_q,
     dkv_block_k, ... the backward ones)."""
     return attention_pallas_gpu(q, k, v, CCA(group_size, window_size, sink_tokens),
@@ -67,16 +67,17 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
 
 
 class PallasGpuBackend(Backend):
-    """Every option, packed or not, any float dtype; head_dim in the kernels'
-    `SUPPORTED_HEAD_DIMS` (decode: `DECODE_HEAD_DIMS`)."""
+    """Every option, packed or not, any float dtype; head_dim up to the kernels' largest
+    (others than theirs zero-padded; decode: `DECODE_HEAD_DIMS`)."""
 
     def _refuses(self, option, platform, dtype, head_dim, packed, entry):
         if entry == "decode":
-            dims = DECODE_HEAD_DIMS
-        else:
-            from pallas_kernels.gpu.kernels import SUPPORTED_HEAD_DIMS as dims
-        if head_dim not in dims:
-            return f"it supports head_dim in {dims}, not {head_dim}"
+            if head_dim not in DECODE_HEAD_DIMS:
+                return f"it supports head_dim in {DECODE_HEAD_DIMS}, not {head_dim}"
+            return None
+        from pallas_kernels.gpu.kernels import KERNEL_HEAD_DIMS, padded_head_dim
+        if padded_head_dim(head_dim) is None:
+            return f"it supports head_dim up to {KERNEL_HEAD_DIMS[-1]}, not {head_dim}"
         return None
 
     def _attention(self, q, k, v, pattern, *, pooling, segment_ids):

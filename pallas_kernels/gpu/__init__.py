@@ -3,9 +3,10 @@
 from pallas_kernels.gpu.api import blocked_attention_pallas_gpu, kernel_config
 from pallas_kernels.gpu.decode import (SUPPORTED_DECODE_HEAD_DIMS, DecodeConfig,
                                         decode_attention_pallas_gpu)
-from pallas_kernels.gpu.kernels import (LOOP_STYLES, SUPPORTED_HEAD_DIMS, KernelConfig,
-                                        cca_core_attention)
+from pallas_kernels.gpu.kernels import (KERNEL_HEAD_DIMS, LOOP_STYLES, KernelConfig,
+                                        cca_core_attention, padded_head_dim)
 
 __all__ = ["blocked_attention_pallas_gpu", "kernel_config",
-           "KernelConfig", "LOOP_STYLES", "cca_core_attention", "SUPPORTED_HEAD_DIMS",
+           "KernelConfig", "LOOP_STYLES", "cca_core_attention", "KERNEL_HEAD_DIMS",
+           "padded_head_dim",
            "decode_attention_pallas_gpu", "DecodeConfig", "SUPPORTED_DECODE_HEAD_DIMS"]

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.shapes import check_blocked_inputs
-from pallas_kernels.gpu.kernels import (SUPPORTED_HEAD_DIMS, KernelConfig, cca_core_attention,
-                                        check_config)
+from pallas_kernels.gpu.kernels import (KERNEL_HEAD_DIMS, KernelConfig, cca_core_attention,
+                                        check_config, padded_head_dim)
 
 _POW2 = (16, 32, 64, 128, 256)
 _MAX_ELEMS = 2**31 - 1
@@ -48,7 +48,7 @@ def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelCon
     """
     fields = {name: value for name, value in fields.items() if value is not None}
     for name, value in fields.items():
-        if name not in KernelConfig._fields or name == "interpret":
+        if name not in KernelConfig._fields or name in ("interpret", "softmax_head_dim"):
             raise ValueError(f"unknown kernel setting {name!r}.")
         if name.endswith("narrow_block"):
             _check_narrow(name, value, interpret)
@@ -59,11 +59,19 @@ def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelCon
     return check_config(KernelConfig(interpret=bool(interpret), **tiling))
 
 
-def _check_head_dim(d: int) -> None:
-    if d not in SUPPORTED_HEAD_DIMS:
+def _check_head_dim(d: int) -> int:
+    """The kernel head dim `d` runs at, or a ValueError naming the fix."""
+    width = padded_head_dim(d)
+    if width is None:
         raise ValueError(
-            f"implementation='pallas_gpu' supports head_dim in {SUPPORTED_HEAD_DIMS}, got {d}; "
-            "use implementation='xla' (or 'auto', which falls back to it).")
+            f"implementation='pallas_gpu' supports head_dim up to {KERNEL_HEAD_DIMS[-1]}, got "
+            f"{d}; use implementation='xla' (or 'auto', which falls back to it).")
+    return width
+
+
+def _pad_head_dim(x, width: int):
+    return x if x.shape[-1] == width else jnp.pad(
+        x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
 def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, interpret=None,
@@ -74,18 +82,23 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     head h // (Hq / Hkv)); ck, cv: `[B, m, Hq, D]` prepared slot keys/values per query head
     (CCA's core tokens, streaming's sinks; m may be 0); raw_lo, core_lo, core_hi: int `[B, L]`.
     Row t sees raw keys `[raw_lo[t], t]` (raw_lo[t] <= t) and slots `[core_lo[t], core_hi[t])`;
-    all three must be non-decreasing along t. D in (64, 128). `tiling`: KernelConfig field
+    all three must be non-decreasing along t. D up to 128: other than 64 and 128 it runs
+    zero-padded to the next of them (an extra copy of the inputs). `tiling`: KernelConfig field
     overrides (block_q=..., dq_block_k=..., forward_loop_style=...; see `kernel_config`).
     interpret defaults to True on the CPU backend. Differentiable in q, k, v, ck and cv.
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
     check_blocked_inputs(q, k, v, ck, cv, bounds)
     b, length, hq, d = q.shape
-    _check_head_dim(d)
+    width = _check_head_dim(d)
     bounds = tuple(x.astype(jnp.int32) for x in bounds)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = kernel_config(q.dtype, interpret=interpret, **tiling)
+    if width != d:
+        cfg = cfg._replace(softmax_head_dim=d)
+        q, k, v, ck, cv = (_pad_head_dim(x, width) for x in (q, k, v, ck, cv))
+        d = width
     # The Triton lowering computes element offsets in int32: keep every array a kernel sees
     # (padded rows included) under 2**31 elements by running batch rows in chunks.
     row_elems = (length + cfg.row_multiple) * hq * d
@@ -96,7 +109,8 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     chunk = max(1, _MAX_ELEMS // row_elems)
     args = (q, k, v, ck, cv, *bounds)
     if b <= chunk:
-        return cca_core_attention(*args, cfg)
-    outs = [cca_core_attention(*(x[i:i + chunk] for x in args), cfg)
-            for i in range(0, b, chunk)]
-    return jnp.concatenate(outs, axis=0)
+        out = cca_core_attention(*args, cfg)
+    else:
+        out = jnp.concatenate([cca_core_attention(*(x[i:i + chunk] for x in args), cfg)
+                               for i in range(0, b, chunk)], axis=0)
+    return out[..., :cfg.softmax_head_dim] if cfg.softmax_head_dim else out

@@ -47,7 +47,15 @@ from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 _MASKED = -jnp.inf
 _MAX_INIT = -1e30
 _LOG2E = math.log2(math.e)
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Head dims the kernels are tiled for; others up to the largest are zero-padded to the next
+# (`padded_head_dim`): zero columns change no score, and the softmax keeps 1/sqrt(real D).
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def padded_head_dim(d: int) -> int | None:
+    """The kernel head dim that `d` runs at (`d` itself or the next one up, zero-padded), or
+    None when `d` is above every kernel's."""
+    return next((width for width in KERNEL_HEAD_DIMS if width >= d), None)
 
 
 class KernelConfig(NamedTuple):
@@ -98,6 +106,9 @@ class KernelConfig(NamedTuple):
     forward_heavy_first: bool = True
     dq_heavy_first: bool = False
     dcore_heavy_first: bool = True
+    # The head dim of the softmax scale 1/sqrt(D) when the inputs are zero-padded from a
+    # smaller one (`padded_head_dim`); 0: the inputs' own.
+    softmax_head_dim: int = 0
     interpret: bool = False
 
     @property
@@ -108,6 +119,10 @@ class KernelConfig(NamedTuple):
     @property
     def slot_multiple(self) -> int:
         return max(self.block_k, self.dq_block_k, self.dc_block_k)
+
+
+def _softmax_scale(cfg: KernelConfig, d: int) -> float:
+    return 1.0 / math.sqrt(cfg.softmax_head_dim or d)
 
 
 def _params(num_warps: int, num_stages: int):
@@ -262,10 +277,10 @@ def _query_specs(q, k, ck, block_q: int, heavy_first: bool) -> _QuerySpecs:
         core=pl.BlockSpec((None, ck.shape[1], None, d), lambda i, h, z: (z, 0, h, 0)))
 
 
-def _query_kernel(kernel, q, block_q: int, block_k: int, narrow: int, loop_style: str,
-                  heavy_first: bool):
+def _query_kernel(kernel, scale: float, block_q: int, block_k: int, narrow: int,
+                  loop_style: str, heavy_first: bool):
     return functools.partial(kernel, block_q=block_q, block_k=block_k, narrow=narrow,
-                             scale=1.0 / math.sqrt(q.shape[-1]),
+                             scale=scale,
                              loops=LOOP_STYLES[loop_style], heavy_first=heavy_first)
 
 
@@ -305,8 +320,8 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     b, lp, hq, _ = q.shape
     specs = _query_specs(q, k, ck, cfg.block_q, cfg.forward_heavy_first)
     return pl.pallas_call(
-        _query_kernel(_fwd_kernel, q, cfg.block_q, cfg.block_k, cfg.narrow_block,
-                      cfg.forward_loop_style, cfg.forward_heavy_first),
+        _query_kernel(_fwd_kernel, _softmax_scale(cfg, q.shape[-1]), cfg.block_q, cfg.block_k,
+                      cfg.narrow_block, cfg.forward_loop_style, cfg.forward_heavy_first),
         grid=specs.grid,
         in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core,
                   specs.rows, specs.rows, specs.rows],
@@ -344,8 +359,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, lse_ref, delta_ref,
 def _dq(q, k, v, ck, cv, do, lse, delta, raw_lo, core_lo, core_hi, cfg: KernelConfig):
     specs = _query_specs(q, k, ck, cfg.dq_block_q, cfg.dq_heavy_first)
     return pl.pallas_call(
-        _query_kernel(_dq_kernel, q, cfg.dq_block_q, cfg.dq_block_k, cfg.dq_narrow_block,
-                      cfg.dq_loop_style, cfg.dq_heavy_first),
+        _query_kernel(_dq_kernel, _softmax_scale(cfg, q.shape[-1]), cfg.dq_block_q,
+                      cfg.dq_block_k, cfg.dq_narrow_block, cfg.dq_loop_style,
+                      cfg.dq_heavy_first),
         grid=specs.grid,
         in_specs=[specs.q, specs.kv, specs.kv, specs.core, specs.core, specs.q,
                   specs.head_rows, specs.head_rows, specs.rows, specs.rows, specs.rows],
@@ -439,7 +455,7 @@ def _dkv(q, k, v, do, lse, delta, raw_lo, last_row, cfg: KernelConfig):
     kernel = functools.partial(_dkv_kernel, block_q=bq, block_k=bk,
                                narrow=cfg.dkv_narrow_block,
                                groups=groups,
-                               head_dim=d, padded_len=lp, scale=1.0 / math.sqrt(d),
+                               head_dim=d, padded_len=lp, scale=_softmax_scale(cfg, d),
                                loops=LOOP_STYLES[cfg.key_loop_style])
     whole_q = pl.BlockSpec((None, lp, None, groups * d), lambda i, h, z: (z, 0, h, 0))
     whole_rows = pl.BlockSpec((None, None, groups * lp), lambda i, h, z: (z, h, 0))
@@ -493,7 +509,8 @@ def _dcore(q, ck, cv, do, lse, delta, core_lo, core_hi, first_row, end_row,
     mp = ck.shape[1]
     bc, bq = cfg.dc_block_k, cfg.dc_block_q
     kernel = functools.partial(_dcore_kernel, block_q=bq, block_c=bc,
-                               scale=1.0 / math.sqrt(d), loops=LOOP_STYLES[cfg.key_loop_style],
+                               scale=_softmax_scale(cfg, d),
+                               loops=LOOP_STYLES[cfg.key_loop_style],
                                heavy_first=cfg.dcore_heavy_first)
     # Grid (core block, head, batch), or (head, core block, batch) when heavy first; the
     # index maps see (core block, head, batch) either way.
