@@ -31,8 +31,9 @@ STAMP_KEYS = ("commit", "device", "jax", "date", "command")
 
 
 def commit() -> str:
-    """The repository's short commit hash, "-dirty" when tracked files differ from it
-    ("unknown" outside a git checkout)."""
+    """The repository's short commit hash, "-dirty" when tracked files differ from it;
+    outside a git checkout (a `git archive` tree on a remote machine) the `CCA_COMMIT`
+    environment variable, else "unknown"."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -40,7 +41,7 @@ def commit() -> str:
         head = git("rev-parse", "--short", "HEAD")
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("CCA_COMMIT", "unknown")
 
 
 def command(argv=None) -> str:
