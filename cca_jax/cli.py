@@ -108,7 +108,8 @@ def add_compile_cache_args(ap: argparse.ArgumentParser) -> None:
 def enable_compile_cache(a) -> Path | None:
     """Turn on JAX's persistent compilation cache as `--compile-cache` / `--no-compile-cache`
     say (call before the first compilation). Returns the directory, or None when off.
-    Programs that compile in under a second are not stored (JAX's default threshold)."""
+    Every program is stored, however quick to compile (JAX's default skips those under a
+    second: a server's start-up compiles many such programs)."""
     if getattr(a, "no_compile_cache", False):
         return None
     path = Path(getattr(a, "compile_cache", None) or default_compile_cache_dir()).expanduser()
@@ -120,4 +121,5 @@ def enable_compile_cache(a) -> Path | None:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path

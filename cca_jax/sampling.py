@@ -62,19 +62,34 @@ def sample_rows(logits: jax.Array, seeds, steps, temperature, top_k, top_p) -> j
     different requests (a server): one program for any mix of settings. temperature 0 is
     greedy, top_k 0 and top_p 1 are off. Row `b` draws with the key
     `fold_in(PRNGKey(seeds[b]), steps[b])`, as `generate(seed=...)` draws its token `steps[b]`,
-    so a row samples what `sample` would for that request alone. Jittable; not jitted here."""
+    so a row samples what `sample` would for that request alone. Jittable; not jitted here.
+    The vocabulary is sorted (one sort) only when some row filters, and nothing is drawn when
+    every row is greedy (`lax.cond`): a sort of 32K logits costs tens of ms on a CPU."""
     x = logits.astype(jnp.float32)
-    vocab = x.shape[-1]
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    x = x / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = temperature > 0
+
+    def draw(x):
+        x = x / jnp.where(sampled, temperature, 1.0)[:, None]
+        x = jax.lax.cond(jnp.any(sampled & ((top_k > 0) | (top_p < 1))), _filter_rows,
+                         lambda x, *_: x, x, top_k, top_p)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, x)
+        return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
+
+    return jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy, x)
+
+
+def _filter_rows(x, top_k, top_p):
+    """Rows of scaled logits with top-k, then top-p, applied per row (as `_sample`: the top-p
+    mass is over the top-k survivors), from one sort."""
+    vocab = x.shape[-1]
     ranked = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
     kth = jnp.take_along_axis(ranked, (jnp.clip(top_k, 1, vocab) - 1)[:, None], axis=-1)
-    x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    ranked = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
+    kth = jnp.where((top_k > 0)[:, None], kth, -jnp.inf)
+    x = jnp.where(x < kth, -jnp.inf, x)
+    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)   # = the sorted survivors
     probs = jax.nn.softmax(ranked, axis=-1)
     keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
     cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((top_p[:, None] < 1) & (x < cutoff), -jnp.inf, x)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, x)
-    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+    return jnp.where((top_p[:, None] < 1) & (x < cutoff), -jnp.inf, x)

@@ -124,14 +124,14 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: exit
-    # 0 for SIGTERM (a supervisor's stop) and 130 for Ctrl-C, without a traceback.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again (inside
+    # its event loop): these handlers only note it, for the exit status: 0 after SIGTERM (a
+    # supervisor's stop), 130 after Ctrl-C.
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    server.run()
+    return 130 if signal.SIGINT in received else 0
 
 
 if __name__ == "__main__":

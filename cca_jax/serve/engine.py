@@ -48,7 +48,8 @@ from cca_jax.sampling import check_sampling, sample_rows
 
 log = logging.getLogger("cca_jax.serve")
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # compiled or loaded
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"          # loaded from the disk cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,8 @@ class Engine:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.startup_seconds = 0.0
+        self.compilations_at_startup = 0
+        self.cache_hits_at_startup = 0
         self.compilations_since_ready = 0
         self.max_rows_busy = 0
         self.finished = collections.Counter()
@@ -229,6 +232,8 @@ class Engine:
             busy = sum(s is not None for s in self._rows)
             return {"rows": self.config.max_batch, "rows_busy": busy,
                     "queued": len(self._waiting), "max_rows_busy": self.max_rows_busy,
+                    "compilations_at_startup": self.compilations_at_startup,
+                    "cache_hits_at_startup": self.cache_hits_at_startup,
                     "compilations_since_ready": self.compilations_since_ready,
                     "startup_seconds": round(self.startup_seconds, 3),
                     "finished": dict(self.finished)}
@@ -236,6 +241,7 @@ class Engine:
     def start(self) -> None:
         """Start the engine thread: it compiles every program, sets `ready`, then serves."""
         jax.monitoring.register_event_duration_secs_listener(self._on_jax_event)
+        jax.monitoring.register_event_listener(self._on_cache_event)
         self._thread = threading.Thread(target=self._main, name="cca-jax-engine", daemon=True)
         self._thread.start()
 
@@ -248,12 +254,22 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         jax.monitoring.unregister_event_duration_listener(self._on_jax_event)
+        jax.monitoring.unregister_event_listener(self._on_cache_event)
 
     # ---- the engine thread ------------------------------------------------------------------
 
+    def _on_cache_event(self, name: str, **kwargs) -> None:
+        if name == CACHE_HIT_EVENT and not self.ready.is_set():
+            self.cache_hits_at_startup += 1
+
     def _on_jax_event(self, name: str, seconds: float, **kwargs) -> None:
-        if name == COMPILE_EVENT and self.ready.is_set():
-            self.compilations_since_ready += 1
+        """Counts programs compiled (or loaded from the persistent cache: a load is counted
+        too, since jit's in-memory cache missed)."""
+        if name == COMPILE_EVENT:
+            if self.ready.is_set():
+                self.compilations_since_ready += 1
+            else:
+                self.compilations_at_startup += 1
 
     def _main(self) -> None:
         start = time.perf_counter()
