@@ -441,3 +441,19 @@ def test_compile_cache_flags(tmp_path, monkeypatch):
     monkeypatch.delenv("CCA_JAX_CACHE_DIR")
     assert default_compile_cache_dir() == Path.home() / ".cache" / "cca-jax" / "jax-compile"
     assert json.dumps(str(default_compile_cache_dir()))
+
+
+def test_serve_trace_benchmark_small_mode(tmp_path):
+    """benchmarks/serve_trace.py --small: the H200 trace's code path on a tiny model, in
+    process (no start-time children)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serve_trace import main
+
+    out = tmp_path / "trace"
+    assert main(["--small", "--attention", "cca", "--no-start-times", "--out", str(out)]) == 0
+    rec = json.loads(out.with_suffix(".json").read_text())[0]
+    assert rec["errors"] == 0 and rec["generated_tokens"] == 8 * 8
+    assert rec["compilations_since_ready"] == 0 and rec["max_rows_busy"] >= 2
+    assert rec["ttft_p95_s"] >= rec["ttft_p50_s"] > 0 and rec["itl_p50_ms"] > 0
+    assert {"device", "jax", "date", "command", "commit"} <= set(rec)
+    assert "| cca | 4 |" in out.with_suffix(".md").read_text()

@@ -9,7 +9,9 @@ the caller). One engine thread runs the device; each turn of its loop is
         since a row's stale entries lie at positions its queries never see);
     at most ONE prefill chunk: the next `chunk_size` prompt tokens of up to `prefill_rows`
         requests still in their prompts (oldest first), through the P rows only
-        (`prefill_chunk(rows=...)`), their first tokens sampled in the same program;
+        (`prefill_chunk(rows=...)`: those rows are copied out of the cache and back; with
+        P = B the whole cache runs, nothing copied), their first tokens sampled in the same
+        program;
     ONE decode step of every row past its prompt (`decode_step` over all B rows, the idle and
         prefilling ones inactive), the next tokens sampled per row (`sample_rows`).
 
@@ -294,8 +296,9 @@ class Engine:
         token), so that every one is compiled before the first request."""
         b, p = self.config.max_batch, self.config.prefill_rows
         self._cache = _reset_rows(self._cache, np.zeros(b, bool))
-        self._run_prefill(np.arange(p, dtype=np.int32), np.zeros((p, self.config.chunk_size),
-                          np.int32), np.zeros(p, np.int32), [None] * p)
+        rows = None if p == b else np.arange(p, dtype=np.int32)
+        self._run_prefill(rows, np.zeros((p, self.config.chunk_size), np.int32),
+                          np.zeros(p, np.int32), [None] * p)
         for pool in self._pool_programs():
             self._run_decode(np.zeros(b, bool), [None] * b, pool)
 
@@ -377,17 +380,24 @@ class Engine:
             return
         p, chunk = self.config.prefill_rows, self.config.chunk_size
         batch = pending[:p]
-        taken = {s.row for s in batch}
-        fillers = [r for r in range(self.config.max_batch) if r not in taken][:p - len(batch)]
-        rows = np.array([s.row for s in batch] + fillers, np.int32)
+        if p == self.config.max_batch:   # every row: the whole cache, no rows copied
+            slots = [s.row for s in batch]
+            rows, seqs = None, [None] * p
+        else:   # the P rows, then other rows (no tokens: unchanged) to make up P
+            taken = {s.row for s in batch}
+            fillers = [r for r in range(self.config.max_batch) if r not in taken]
+            slots = list(range(len(batch)))
+            rows = np.array([s.row for s in batch] + fillers[:p - len(batch)], np.int32)
+            seqs = [None] * p
         ids = np.zeros((p, chunk), np.int32)
         n_valid = np.zeros(p, np.int32)
-        for i, seq in enumerate(batch):
+        for i, seq in zip(slots, batch):
             part = seq.request.prompt[seq.prefilled:seq.prefilled + chunk]
             ids[i, :len(part)] = part
             n_valid[i] = len(part)
-        tokens = self._run_prefill(rows, ids, n_valid, batch + [None] * len(fillers))
-        for i, seq in enumerate(batch):
+            seqs[i] = seq
+        tokens = self._run_prefill(rows, ids, n_valid, seqs)
+        for i, seq in zip(slots, batch):
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
                 self._take_token(seq, int(tokens[i]))
