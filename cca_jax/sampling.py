@@ -77,7 +77,8 @@ def sample_rows(logits: jax.Array, seeds, steps, temperature, top_k, top_p) -> j
         drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, x)
         return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
 
-    return jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy, x)
+    with jax.named_scope("sampling"):
+        return jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy, x)
 
 
 def _filter_rows(x, top_k, top_p):
