@@ -19,7 +19,7 @@ import signal
 import sys
 
 from cca_jax.cli import (UsageError, add_model_args, attention_overrides, check_checkpoint,
-                         enable_compile_cache)
+                         enable_compile_cache, mesh_from_args)
 from cca_jax.serve.engine import EngineConfig
 
 DEFAULTS = EngineConfig()
@@ -73,8 +73,6 @@ def _check_args(a) -> None:
                          f"({a.max_batch}).")
     if not 0 <= a.port < 65536:
         raise UsageError(f"--port must lie in [0, 65535], got {a.port}.")
-    if a.mesh is not None:
-        raise UsageError("--mesh is not supported by the server yet: it runs on one device.")
 
 
 def build_server(a):
@@ -89,6 +87,7 @@ def build_server(a):
 
     _check_args(a)
     ckpt = check_checkpoint(a.ckpt)
+    mesh = mesh_from_args(a)
     enable_compile_cache(a)
     tokenizer = load_tokenizer(ckpt)
     try:
@@ -101,7 +100,7 @@ def build_server(a):
     config = EngineConfig(max_batch=a.max_batch, max_len=a.max_len, chunk_size=a.chunk_size,
                           prefill_rows=a.prefill_rows, max_queue=a.max_queue)
     try:
-        engine = Engine(model, config, eos=eos)
+        engine = Engine(model, config, eos=eos, mesh=mesh)
     except ValueError as e:
         raise UsageError(str(e).replace("max_len", "--max-len")) from None
     settings = ServerSettings(model_name=a.model_name or ckpt.resolve().name,

@@ -145,12 +145,18 @@ def _decode_and_sample(model_state, cache, tokens, active, seeds, steps, tempera
 
 class Engine:
     """The scheduler (module docstring). `start()`, then `submit()` from any thread;
-    `shutdown()` ends it. `eos`: token ids that end a sequence (default the config's)."""
+    `shutdown()` ends it. `eos`: token ids that end a sequence (default the config's).
+    `mesh`: run over several devices, parameters and cache placed by the logical-axis table
+    of `cca_jax.sharding` (rows over data x fsdp, heads over tensor), as `generate` does."""
 
-    def __init__(self, model, config: EngineConfig = EngineConfig(), eos=None):
+    def __init__(self, model, config: EngineConfig = EngineConfig(), eos=None, mesh=None):
         from flax import nnx
 
         config.check()
+        self.mesh = mesh
+        if mesh is not None:
+            from cca_jax.sharding import shard_model
+            shard_model(model, mesh)
         cfg = model.config
         if config.max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len={config.max_len} exceeds the model's "
@@ -276,8 +282,7 @@ class Engine:
     def _main(self) -> None:
         start = time.perf_counter()
         try:
-            self._cache = init_cache(self.model.config, self.config.max_batch,
-                                     self.config.max_len)
+            self._cache = self._new_cache()
             self._warm_up()
             self.startup_seconds = time.perf_counter() - start
             self.ready.set()
@@ -290,6 +295,15 @@ class Engine:
             self._end_all("error")
             return
         self._end_all("cancelled")
+
+    def _new_cache(self):
+        cfg, b, n = self.model.config, self.config.max_batch, self.config.max_len
+        sharding = None
+        if self.mesh is not None:
+            from cca_jax.kv_cache import cache_shapes
+            from cca_jax.sharding import cache_shardings
+            sharding = cache_shardings(cache_shapes(cfg, b, n), self.mesh)
+        return init_cache(cfg, b, n, sharding=sharding)
 
     def _warm_up(self) -> None:
         """Run each program once on inputs that change nothing (no active row, no valid
