@@ -242,8 +242,8 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
                 raise APIError(400, "one prompt per request: send the others separately.",
                                param="prompt", code="unsupported_parameter")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = list(tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, str):   # off the event loop: a long prompt takes a while
+            prompt_ids = list((await asyncio.to_thread(tokenizer, prompt))["input_ids"])
         else:
             prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
@@ -291,7 +291,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request):
         check_common(body)
-        prompt_ids = chat_prompt(body)
+        prompt_ids = await asyncio.to_thread(chat_prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(max_len - len(prompt_ids), 1)
