@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, metavar="B",
                     help=f"rows of the KV cache: requests generating at once (default: "
                     f"{DEFAULTS.max_batch})")
-    ap.add_argument("--max-len", type=int, default=DEFAULTS.max_len, metavar="N",
-                    help="positions per row: a request's prompt + max_tokens must fit "
-                    f"(default: {DEFAULTS.max_len}; at most the model's "
-                    "max_position_embeddings)")
+    ap.add_argument("--max-len", type=int, default=None, metavar="N",
+                    help="positions per row: a request's prompt + max_tokens must fit; at "
+                    "most the model's max_position_embeddings (default: "
+                    f"{DEFAULTS.max_len} or max_position_embeddings, the smaller)")
     ap.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size, metavar="N",
                     help="prompt tokens per prefill chunk; one chunk runs between two "
                     f"decode steps (default: {DEFAULTS.chunk_size})")
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, metavar="Q",
                     help="requests that may wait for a free row; more get 503 with "
                     f"Retry-After (default: {DEFAULTS.max_queue})")
+    ap.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
+                    help="positions the model may run, over the checkpoint's own (raise it, "
+                    "usually with a fine-tune at that length, to serve longer contexts) "
+                    "(default: the checkpoint's)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                     help="on SIGINT/SIGTERM, seconds requests in flight may take to finish "
                     "before they are cancelled (default: 30)")
@@ -61,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(a) -> None:
     for name in ("max_batch", "max_len", "chunk_size", "prefill_rows", "group_size",
-                 "window_size"):
+                 "window_size", "max_position_embeddings"):
         value = getattr(a, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -91,24 +95,30 @@ def build_server(a):
     enable_compile_cache(a)
     tokenizer = load_tokenizer(ckpt)
     try:
-        model = from_pretrained(ckpt, dtype=a.dtype, **attention_overrides(a))
+        overrides = attention_overrides(a)
+        if a.max_position_embeddings is not None:
+            overrides["max_position_embeddings"] = a.max_position_embeddings
+        model = from_pretrained(ckpt, dtype=a.dtype, **overrides)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
     eos = model.config.eos_token_id
     if eos is None and tokenizer.eos_token_id is not None:
         eos = tokenizer.eos_token_id
-    config = EngineConfig(max_batch=a.max_batch, max_len=a.max_len, chunk_size=a.chunk_size,
+    max_len = a.max_len or min(DEFAULTS.max_len, model.config.max_position_embeddings)
+    config = EngineConfig(max_batch=a.max_batch, max_len=max_len, chunk_size=a.chunk_size,
                           prefill_rows=a.prefill_rows, max_queue=a.max_queue)
     try:
         engine = Engine(model, config, eos=eos, mesh=mesh)
     except ValueError as e:
-        raise UsageError(str(e).replace("max_len", "--max-len")) from None
+        raise UsageError(str(e).replace("max_len", "--max-len").replace(
+            "load the model with a larger max_position_embeddings",
+            "pass a larger --max-position-embeddings")) from None
     settings = ServerSettings(model_name=a.model_name or ckpt.resolve().name,
                               shutdown_timeout_s=a.shutdown_timeout)
     app = create_app(engine, tokenizer, settings)
     att = model.config.attention
     print(f"serving {settings.model_name!r} ({att.kind} attention, KV cache "
-          f"{engine.kv_cache_bytes / 2**20:.1f} MiB for {a.max_batch} x {a.max_len}) on "
+          f"{engine.kv_cache_bytes / 2**20:.1f} MiB for {a.max_batch} x {max_len}) on "
           f"http://{a.host}:{a.port}; /health answers 503 until the programs are compiled",
           file=sys.stderr, flush=True)
     return uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
