@@ -48,8 +48,8 @@ def add_attention_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The flags that change how a checkpoint runs: its attention option, its dtype and the
-    devices it runs on."""
+    """The flags that change how a checkpoint runs: its attention option, its dtype, the
+    devices it runs on and where compiled programs are cached."""
     add_attention_args(ap)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="parameter and activation dtype (default: the checkpoint's)")
@@ -58,6 +58,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     "fsdp, tensor, sequence (e.g. data=2,tensor=4; one size may be -1); "
                     "parameters and the KV cache are sharded by cca_jax.sharding's "
                     "logical-axis table (default: one device)")
+    add_compile_cache_args(ap)
 
 
 def mesh_from_args(a):
@@ -77,3 +78,48 @@ def mesh_from_args(a):
 def attention_overrides(a) -> dict:
     """`from_pretrained` overrides from parsed attention flags (the ones given)."""
     return {k: getattr(a, k) for k in ATTENTION_FLAGS if getattr(a, k) is not None}
+
+
+# ---- the persistent compilation cache (on by default in every CLI) ----------------------
+
+CACHE_ROOT_ENV = "CCA_JAX_CACHE_DIR"   # overrides ~/.cache/cca-jax (the tests point it away)
+
+
+def default_compile_cache_dir() -> Path:
+    """`$CCA_JAX_CACHE_DIR/jax-compile`, by default `~/.cache/cca-jax/jax-compile`."""
+    import os
+
+    root = os.environ.get(CACHE_ROOT_ENV) or Path.home() / ".cache" / "cca-jax"
+    return Path(root) / "jax-compile"
+
+
+def add_compile_cache_args(ap: argparse.ArgumentParser) -> None:
+    """`--compile-cache DIR` / `--no-compile-cache`: JAX's persistent compilation cache, so a
+    second run of the same programs loads them instead of compiling (on by default)."""
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="persistent compilation cache directory: a rerun with the same "
+                       "shapes loads its compiled programs from there "
+                       f"(default: {default_compile_cache_dir()}; ${CACHE_ROOT_ENV} moves it)")
+    group.add_argument("--no-compile-cache", action="store_true",
+                       help="compile everything afresh and store nothing (default: cache on)")
+
+
+def enable_compile_cache(a) -> Path | None:
+    """Turn on JAX's persistent compilation cache as `--compile-cache` / `--no-compile-cache`
+    say (call before the first compilation). Returns the directory, or None when off.
+    Every program is stored, however quick to compile (JAX's default skips those under a
+    second: a server's start-up compiles many such programs)."""
+    if getattr(a, "no_compile_cache", False):
+        return None
+    path = Path(getattr(a, "compile_cache", None) or default_compile_cache_dir()).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the compilation cache {path}: {e.strerror}; pass "
+                         "--compile-cache DIR elsewhere or --no-compile-cache.") from None
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path

@@ -131,9 +131,18 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
 
 
 def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False,
-                   first: bool = False):
+                   first: bool = False, rows=None):
     with jax.named_scope("prefill_chunk"):
-        return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first)
+        if rows is None:
+            return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first)
+        sub = cache.replace(k=cache.k[:, rows], v=cache.v[:, rows], ck=cache.ck[:, rows],
+                            cv=cache.cv[:, rows], lengths=cache.lengths[rows])
+        sub, *logits = _prefill_chunk_body(model_state, sub, ids, n_valid, all_logits, first)
+        cache = cache.replace(k=cache.k.at[:, rows].set(sub.k), v=cache.v.at[:, rows].set(sub.v),
+                              ck=cache.ck.at[:, rows].set(sub.ck),
+                              cv=cache.cv.at[:, rows].set(sub.cv),
+                              lengths=cache.lengths.at[rows].set(sub.lengths))
+        return (cache, *logits)
 
 
 def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: bool,
@@ -223,7 +232,9 @@ prefill_chunk.__doc__ = """One prefill chunk, jitted: `(model_state, cache, ids 
 
 Row `b`'s first `n_valid[b]` tokens of `ids` go in at positions `cache.lengths[b] ...`; the
 others are ignored (nothing of them enters the cache). `model_state = nnx.split(model)`. The
-cache is donated. `first=True` promises every row's cache is empty (the chunk starts at
+cache is donated. `rows` (int `[P]`, distinct): the chunk is for these rows of the cache only
+(`ids [P, n]`, `n_valid [P]`, logits `[P, V]`); the other rows are untouched and cost nothing
+but the copy of the P rows in and out (a server prefills one request while the others decode). `first=True` promises every row's cache is empty (the chunk starts at
 position 0): the chunk then runs as the model's own forward does (`run_attention`, cuDNN
 included), with no ring rows in front."""
 

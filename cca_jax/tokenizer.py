@@ -51,19 +51,19 @@ def load_tokenizer(ckpt: Path):
         raise UsageError(f"could not load the tokenizer in {where}: {e}") from None
 
 
-class TextStream:
-    """Incremental detokenization: decode the generated ids (after a few prompt tokens, so
-    the first word keeps its leading space) and print only the new suffix. Text that ends in
-    an incomplete character (U+FFFD from a partial byte sequence) waits for the next token."""
+class TextDecoder:
+    """Incremental detokenization: the text of the generated ids so far, decoded after a few
+    prompt tokens (so that the first word keeps its SentencePiece leading space), and how
+    much of it is safe to show (`stable`: not ending in an incomplete character, U+FFFD from
+    a partial byte sequence, which the next token completes)."""
 
     CONTEXT = 4
 
-    def __init__(self, tokenizer, prompt_ids: list[int], out=None):
-        self.tokenizer, self.out = tokenizer, out or sys.stdout
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
         self.context = list(prompt_ids[-self.CONTEXT:])
         self.prefix = self._decode(self.context)
         self.ids: list[int] = []
-        self.printed = ""
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -72,12 +72,28 @@ class TextStream:
         full = self._decode(self.context + self.ids)
         return full[len(self.prefix):] if full.startswith(self.prefix) else self._decode(self.ids)
 
-    def put(self, token: int) -> None:
+    def push(self, token: int) -> str:
+        """Add a token; the whole text so far."""
         self.ids.append(int(token))
-        text = self.text()
-        if text.endswith("\ufffd"):
-            return
-        self._emit(text)
+        return self.text()
+
+    @staticmethod
+    def stable(text: str) -> bool:
+        return not text.endswith("\ufffd")
+
+
+class TextStream(TextDecoder):
+    """`TextDecoder` printing only the new suffix of the text to `out` as tokens come."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None):
+        super().__init__(tokenizer, prompt_ids)
+        self.out = out or sys.stdout
+        self.printed = ""
+
+    def put(self, token: int) -> None:
+        text = self.push(token)
+        if self.stable(text):
+            self._emit(text)
 
     def end(self) -> None:
         self._emit(self.text())

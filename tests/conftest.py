@@ -1,6 +1,16 @@
-"""Test session set-up: 8 simulated CPU devices for the sharding tests (before jax loads)."""
+"""Test session set-up: 8 simulated CPU devices for the sharding tests (before jax loads), and
+the CLIs' persistent compilation cache (on by default) in a temporary directory, never in the
+user's ~/.cache (CCA_JAX_CACHE_DIR, inherited by the CLIs the tests start)."""
 
+import atexit
 import os
+import shutil
+import tempfile
+
+if "CCA_JAX_CACHE_DIR" not in os.environ:
+    _cache_root = tempfile.mkdtemp(prefix="cca-jax-test-cache-")
+    os.environ["CCA_JAX_CACHE_DIR"] = _cache_root
+    atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -69,3 +69,14 @@ def test_one_registry_of_backends():
         text = path.read_text()
         for old in ("BLOCKED_IMPLEMENTATIONS", "DECODE_IMPLEMENTATIONS", "IMPLEMENTATIONS ="):
             assert old not in text, f"{path.relative_to(ROOT)} defines {old}"
+
+
+def test_nothing_below_the_server_imports_it():
+    """`cca_jax.serve` sits on top of generation, prefill and decode: imports point down."""
+    for top in ("cca_jax", "train", "convert", "pallas_kernels"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.is_relative_to(ROOT / "cca_jax" / "serve"):
+                continue
+            for name, _ in _imports(path):
+                assert not name.startswith("cca_jax.serve"), (
+                    f"{path.relative_to(ROOT)} imports {name}")

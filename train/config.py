@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.blocks import ATTENTION_KINDS
+from cca_jax.cli import add_compile_cache_args
 from cca_jax.config import DTYPES, REMAT_POLICIES
 from cca_jax.sharding import parse_mesh
 
@@ -272,6 +273,7 @@ def build_parser(defaults: dict[str, Any]) -> argparse.ArgumentParser:
     ap.add_argument("--config", metavar="FILE.toml",
                     help="a TOML file of settings (keys: the flag names with underscores); "
                     "flags override it")
+    add_compile_cache_args(ap)   # where compiled programs are kept: not a run setting
     for f in dataclasses.fields(TrainConfig):
         default = defaults.get(f.name, f.default)
         shown = f.metadata["unset"] if default in (None, "") else "%(default)s"
@@ -298,5 +300,14 @@ def parse_args(argv=None) -> TrainConfig:
     preset = known.preset or from_file.get("preset")
     defaults = {**PRESET_DEFAULTS.get(preset, {}), **from_file}
     values = vars(build_parser(defaults).parse_args(argv))
-    values.pop("config")
+    for name in ("config", "compile_cache", "no_compile_cache"):
+        values.pop(name)
     return TrainConfig(**values)
+
+
+def compile_cache_args(argv) -> argparse.Namespace:
+    """The `--compile-cache` / `--no-compile-cache` flags of a command line (for
+    `cli.enable_compile_cache`; `parse_args` leaves them out of the TrainConfig)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    add_compile_cache_args(ap)
+    return ap.parse_known_args(list(argv))[0]

@@ -41,12 +41,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from cca_jax.cli import UsageError, enable_compile_cache
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
 from cca_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from train import multihost
 from train import step as steps
-from train.config import PRESET_MODELS, TRAINABLE, TrainConfig, parse_args
+from train.config import (PRESET_MODELS, TRAINABLE, TrainConfig, compile_cache_args,
+                          parse_args)
 from train.flops import peak_flops, train_flops_per_sequence
 from train.testing import pause_point
 
@@ -378,8 +380,9 @@ def main(argv=None) -> int:
     cfg = None
     try:
         cfg = parse_args(argv)
+        enable_compile_cache(compile_cache_args(argv))
         result = run(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ExportError as e:

@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from cca_jax.eval import common
-from cca_jax.cli import UsageError, add_model_args
+from cca_jax.cli import UsageError, add_model_args, enable_compile_cache
 
 
 def _shared(ap: argparse.ArgumentParser) -> None:
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(a, argv) -> dict:
     """One subcommand on parsed arguments: prints its table, returns its JSON record."""
+    enable_compile_cache(a)
     if a.task == "ppl":
         from cca_jax.eval.ppl import run_ppl as task
     elif a.task == "passkey":

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from cca_jax.cli import (UsageError, add_model_args, attention_overrides, check_checkpoint,
-                         mesh_from_args)
+                         enable_compile_cache, mesh_from_args)
 from cca_jax.generate import LENGTH_BUCKET, GenerationStats, stream_generate
 from cca_jax.prefill import DEFAULT_CHUNK_SIZE
 from cca_jax.sampling import check_sampling
@@ -115,6 +115,7 @@ def run(a, out=None, err=None) -> int:
               file=err)
 
     mesh = mesh_from_args(a)
+    enable_compile_cache(a)
     from cca_jax.pretrained import from_pretrained
     try:
         model = from_pretrained(ckpt, dtype=a.dtype, **attention_overrides(a))

@@ -1,0 +1,318 @@
+"""The HTTP routes (FastAPI): OpenAI's completions, chat completions and models endpoints, and
+a health check, on top of an `Engine`.
+
+Every request is checked and tokenized here, then queued in the engine; its tokens come back
+through an asyncio queue (the engine thread hands them over with `call_soon_threadsafe`),
+are detokenized and checked for stop strings (`text.CompletionText`), and go out as one JSON
+body or as server-sent events. A stop string, a client that disconnects, or a request task
+cancelled at shutdown cancels the request in the engine, which frees its row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cca_jax.serve import schemas
+from cca_jax.serve.engine import Engine, EngineStopped, QueueFull
+from cca_jax.serve.engine import Request as EngineRequest
+from cca_jax.serve.text import CompletionText
+
+SEED_RANGE = 2**31   # request seeds are taken modulo this (jax.random.PRNGKey's int32 seeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    retry_after_s: int = 1          # the Retry-After of a 503 (queue full, starting)
+    shutdown_timeout_s: float = 30.0
+
+
+class APIError(Exception):
+    """An OpenAI-style error response: status, message, type, param, code."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = schemas.ErrorResponse(error=schemas.ErrorBody(
+            message=str(self), type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class TokenQueue:
+    """The engine's events for one request, moved onto the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def __call__(self, token, reason) -> None:   # on the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
+
+    async def get(self):
+        return await self.queue.get()
+
+
+@dataclasses.dataclass
+class Generation:
+    """One request in flight, from the route's side."""
+    engine: Engine
+    handle: object
+    tokens: TokenQueue
+    text: CompletionText
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+    async def pieces(self):
+        """Yield text pieces until the request ends; then `finish_reason` is set."""
+        try:
+            while self.finish_reason is None:
+                token, reason = await self.tokens.get()
+                if token is None:
+                    if reason in ("cancelled", "error"):
+                        raise APIError(503 if reason == "cancelled" else 500,
+                                       "the request was cancelled: the server is shutting "
+                                       "down." if reason == "cancelled" else
+                                       "the engine failed; see the server's log.",
+                                       type="server_error", code=reason)
+                    self.finish_reason = reason
+                    piece = self.text.finish()
+                else:
+                    self.completion_tokens += 1
+                    piece = self.text.push(token)
+                    if self.text.stopped:
+                        self.engine.cancel(self.handle)
+                        self.finish_reason = "stop"
+                if piece:
+                    yield piece
+        finally:
+            if self.finish_reason is None:
+                self.engine.cancel(self.handle)
+
+    def usage(self) -> schemas.Usage:
+        return schemas.Usage(prompt_tokens=self.prompt_tokens,
+                             completion_tokens=self.completion_tokens,
+                             total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+def _sse(obj) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
+    """The FastAPI application; its lifespan starts the engine (compiling its programs:
+    /health answers 503 until they are ready) and shuts it down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
+
+    app = FastAPI(title="cca-jax", lifespan=lifespan)
+    max_len = engine.config.max_len
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                        param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    def check_common(body: schemas.SamplingParams) -> None:
+        if body.model != settings.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist: this server runs "
+                           f"{settings.model_name!r} (GET /v1/models).", param="model",
+                           code="model_not_found")
+        bad = body.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        if not engine.ready.is_set():
+            raise APIError(503, "the server is still compiling its programs; retry shortly.",
+                           type="server_error", code="starting",
+                           headers={"Retry-After": str(settings.retry_after_s)})
+
+    def check_length(prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        if len(prompt_ids) + max_tokens > max_len:
+            raise APIError(400, f"this server's maximum context length is {max_len} tokens: "
+                           f"the prompt has {len(prompt_ids)} and max_tokens asks for "
+                           f"{max_tokens} more. Shorten the prompt or lower max_tokens.",
+                           param=param, code="context_length_exceeded")
+
+    def submit(body: schemas.SamplingParams, prompt_ids: list[int], max_tokens: int
+               ) -> Generation:
+        seed = secrets.randbelow(SEED_RANGE) if body.seed is None else body.seed % SEED_RANGE
+        request = EngineRequest(prompt_ids, max_tokens=max_tokens,
+                                temperature=float(body.temperature), top_k=body.top_k or None,
+                                top_p=float(body.top_p), seed=seed)
+        tokens = TokenQueue(asyncio.get_running_loop())
+        try:
+            handle = engine.submit(request, tokens)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy ({e}); retry shortly.",
+                           type="server_error", code="queue_full",
+                           headers={"Retry-After": str(settings.retry_after_s)}) from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), type="server_error", code="unavailable") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt", code="invalid_value") from None
+        return Generation(engine, handle, tokens,
+                          CompletionText(tokenizer, prompt_ids, body.stop_strings()),
+                          len(prompt_ids))
+
+    async def collect(gen: Generation, request: Request) -> str:
+        """The whole text; a client that goes away cancels the request."""
+        async def watch():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.1)
+            engine.cancel(gen.handle)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return "".join([piece async for piece in gen.pieces()])
+        finally:
+            watcher.cancel()
+
+    async def stream(gen: Generation, chunk, first=None, include_usage=False):
+        """Server-sent events: `first` (if any), `chunk(piece, None)` per piece, the final
+        `chunk("", finish_reason)`, the usage chunk if asked, then [DONE]."""
+        try:
+            if first is not None:
+                yield _sse(first)
+            async for piece in gen.pieces():
+                yield _sse(chunk(piece, None))
+            yield _sse(chunk(None, gen.finish_reason))
+            if include_usage:
+                yield _sse(chunk(None, None, usage=gen.usage()))
+        except APIError as e:
+            yield _sse(schemas.ErrorResponse(error=schemas.ErrorBody(
+                message=str(e), type=e.type, param=e.param, code=e.code)))
+        yield "data: [DONE]\n\n"
+
+    def streaming(events) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "message": str(engine.error)}, 503)
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "starting"}, 503,
+                                headers={"Retry-After": str(settings.retry_after_s)})
+        return {"status": "ok", **engine.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return schemas.ModelList(data=[schemas.ModelCard(id=settings.model_name)])
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request):
+        check_common(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request: send the others separately.",
+                               param="prompt", code="unsupported_parameter")
+            prompt = prompt[0]
+        if isinstance(prompt, str):   # off the event loop: a long prompt takes a while
+            prompt_ids = list((await asyncio.to_thread(tokenizer, prompt))["input_ids"])
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty.", param="prompt", code="invalid_value")
+        check_length(prompt_ids, body.max_tokens, "prompt")
+        gen = submit(body, prompt_ids, body.max_tokens)
+        cid = schemas.new_id("cmpl")
+
+        def chunk(piece, finish, usage=None):
+            choices = [] if usage else [schemas.CompletionChoice(text=piece or "",
+                                                                 finish_reason=finish)]
+            return schemas.Completion(id=cid, model=settings.model_name, choices=choices,
+                                      usage=usage)
+
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return streaming(stream(gen, chunk, include_usage=usage))
+        text = await collect(gen, request)
+        return schemas.Completion(id=cid, model=settings.model_name, usage=gen.usage(),
+                                  choices=[schemas.CompletionChoice(
+                                      text=text, finish_reason=gen.finish_reason)])
+
+    def chat_prompt(body: schemas.ChatRequest) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"the model {settings.model_name!r} has no chat template "
+                           "(its tokenizer_config.json sets no chat_template): use "
+                           "/v1/completions with a plain prompt instead.", param="messages",
+                           code="chat_template_missing")
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):   # content parts: the text ones, joined
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as e:  # noqa: BLE001  (jinja templates raise anything)
+            raise APIError(400, f"the chat template refused these messages: {e}",
+                           param="messages", code="invalid_value") from None
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: schemas.ChatRequest, request: Request):
+        check_common(body)
+        prompt_ids = await asyncio.to_thread(chat_prompt, body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(max_len - len(prompt_ids), 1)
+        check_length(prompt_ids, max_tokens, "messages")
+        gen = submit(body, prompt_ids, max_tokens)
+        cid = schemas.new_id("chatcmpl")
+
+        def chunk(piece, finish, usage=None, role=None):
+            choices = [] if usage else [schemas.ChatChunkChoice(
+                delta=schemas.Delta(role=role, content=piece), finish_reason=finish)]
+            return schemas.ChatCompletionChunk(id=cid, model=settings.model_name,
+                                               choices=choices, usage=usage)
+
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return streaming(stream(gen, chunk, first=chunk("", None, role="assistant"),
+                                    include_usage=usage))
+        text = await collect(gen, request)
+        return schemas.ChatCompletion(
+            id=cid, model=settings.model_name, usage=gen.usage(),
+            choices=[schemas.ChatChoice(message=schemas.AssistantMessage(content=text),
+                                        finish_reason=gen.finish_reason)])
+
+    return app

@@ -1,0 +1,466 @@
+"""Continuous batching over one batched KV cache: the scheduler behind the server.
+
+One `KVCache` of `max_batch` rows x `max_len` positions lives for the engine's lifetime. A
+request waits in a bounded queue until a row is free, then owns that row until it ends (end
+of sequence, `max_tokens`, or a cancel: a stop string or a client that went away, decided by
+the caller). One engine thread runs the device; each turn of its loop is
+
+    admit waiting requests into free rows (their lengths reset to 0: nothing else is cleared,
+        since a row's stale entries lie at positions its queries never see);
+    at most ONE prefill chunk: the next `chunk_size` prompt tokens of up to `prefill_rows`
+        requests still in their prompts (oldest first), through the P rows only
+        (`prefill_chunk(rows=...)`: those rows are copied out of the cache and back; with
+        P = B the whole cache runs, nothing copied), their first tokens sampled in the same
+        program;
+    ONE decode step of every row past its prompt (`decode_step` over all B rows, the idle and
+        prefilling ones inactive), the next tokens sampled per row (`sample_rows`).
+
+So a long prompt delays the running rows by one chunk per token at most, and a new request
+waits for at most one decode step before its prefill starts. Every program has one shape
+whatever the occupancy (B rows, P rows, one chunk): they are all compiled (or loaded from the
+persistent compilation cache) by `start()` before `ready` is set, and no request compiles
+anything (`compilations_since_ready` counts XLA compilations to prove it).
+
+Per row the tokens depend only on its own request: the decode step and the prefill compute
+each row from its own cache row (batch-invariant), and a row samples with the key of its own
+seed and token index, as `generate(seed=...)` does. The host reads the tokens back after
+every step (no pipelining: a finished row must stop feeding tokens at once).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cca_jax import blocks
+from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_step_traced
+from cca_jax.kv_cache import cache_bytes, init_cache
+from cca_jax.prefill import prefill_chunk
+from cca_jax.sampling import check_sampling, sample_rows
+
+log = logging.getLogger("cca_jax.serve")
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # compiled or loaded
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"          # loaded from the disk cache
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's fixed shapes and limits (every program is compiled for these)."""
+    max_batch: int = 8        # B: rows of the cache, requests generating at once
+    max_len: int = 4096       # positions per row: prompt + max_tokens must fit
+    chunk_size: int = 512     # prompt tokens per prefill chunk
+    prefill_rows: int = 1     # P: requests one prefill chunk carries (<= max_batch)
+    max_queue: int = 64       # requests waiting for a row; beyond it submit() refuses
+
+    def check(self) -> None:
+        for name in ("max_batch", "max_len", "chunk_size", "prefill_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
+        if self.prefill_rows > self.max_batch:
+            raise ValueError(f"prefill_rows ({self.prefill_rows}) must be <= max_batch "
+                             f"({self.max_batch}).")
+
+
+class QueueFull(Exception):
+    """Every row is busy and `max_queue` requests already wait: try again later."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down (or failed) and takes no new requests."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation: prompt token ids and sampling settings (`sampling.sample` rules)."""
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop_at_eos: bool = True
+
+
+# on_event(token, None) for every generated token (an end-of-sequence token is not passed),
+# then on_event(None, reason) once: "stop" (end of sequence), "length" (max_tokens),
+# "cancelled" or "error". Called on the engine thread: it must return quickly.
+EventCallback = Callable[[int | None, str | None], None]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A submitted request's state in the engine (the handle `submit` returns)."""
+    request: Request
+    on_event: EventCallback
+    number: int
+    row: int = -1
+    prefilled: int = 0          # prompt tokens in the cache
+    generated: int = 0          # tokens sampled so far
+    last_token: int = 0
+    cancelled: bool = False
+    finish_reason: str | None = None
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _reset_rows(cache, rows_mask):
+    """Rows where `rows_mask` start over at position 0."""
+    return cache.replace(lengths=jnp.where(rows_mask, 0, cache.lengths))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
+                        top_p):
+    """One prefill chunk into cache rows `rows` [P], then each row's first token (its token
+    0) sampled from the logits after its last prompt token. -> (tokens [P], cache)."""
+    cache, logits = prefill_chunk(model_state, cache, ids, n_valid, rows=rows)
+    first = sample_rows(logits, seeds, jnp.zeros_like(seeds), temperature, top_k, top_p)
+    return first, cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("pool_slots",),
+                   compiler_options=dict(DECODE_COMPILER_OPTIONS))
+def _decode_and_sample(model_state, cache, tokens, active, seeds, steps, temperature, top_k,
+                       top_p, *, pool_slots):
+    """One decode step of every active row, then its next token (token `steps[b]` of row b).
+    -> (tokens [B], cache)."""
+    logits, cache = decode_step_traced(model_state, cache, tokens, active,
+                                       pool_slots=pool_slots)
+    return sample_rows(logits, seeds, steps, temperature, top_k, top_p), cache
+
+
+class Engine:
+    """The scheduler (module docstring). `start()`, then `submit()` from any thread;
+    `shutdown()` ends it. `eos`: token ids that end a sequence (default the config's).
+    `mesh`: run over several devices, parameters and cache placed by the logical-axis table
+    of `cca_jax.sharding` (rows over data x fsdp, heads over tensor), as `generate` does."""
+
+    def __init__(self, model, config: EngineConfig = EngineConfig(), eos=None, mesh=None):
+        from flax import nnx
+
+        config.check()
+        self.mesh = mesh
+        if mesh is not None:
+            from cca_jax.sharding import shard_model
+            shard_model(model, mesh)
+        cfg = model.config
+        if config.max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len={config.max_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}: lower "
+                             "it, or load the model with a larger max_position_embeddings.")
+        cfg.check_length(config.max_len)
+        self.model, self.config = model, config
+        eos = cfg.eos_token_id if eos is None else eos
+        self.eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self._model_state = nnx.split(model)
+        self._cache = None
+        self._pattern = cfg.attention.pattern
+        self._rows: list[Sequence | None] = [None] * config.max_batch
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._cond = threading.Condition()
+        self._numbers = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.startup_seconds = 0.0
+        self.compilations_at_startup = 0
+        self.cache_hits_at_startup = 0
+        self.compilations_since_ready = 0
+        self.max_rows_busy = 0
+        self.finished = collections.Counter()
+
+    # ---- the public side (any thread) ------------------------------------------------------
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        from cca_jax.kv_cache import cache_shapes
+        return cache_bytes(cache_shapes(self.model.config, self.config.max_batch,
+                                        self.config.max_len))
+
+    def check_request(self, request: Request) -> None:
+        """ValueError naming the parameter for a request the engine cannot run."""
+        prompt = request.prompt
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token.")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}).")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
+                or request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {request.max_tokens!r}.")
+        check_sampling(request.temperature, request.top_k, request.top_p)
+        need = len(prompt) + request.max_tokens
+        if need > self.config.max_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens "
+                             f"({request.max_tokens}) is {need} tokens, more than this "
+                             f"server's max_len of {self.config.max_len}: shorten the prompt "
+                             "or ask for fewer tokens.")
+
+    def submit(self, request: Request, on_event: EventCallback) -> Sequence:
+        """Queue a request (checked: ValueError); QueueFull when `max_queue` already wait,
+        EngineStopped after shutdown. Its events arrive through `on_event`."""
+        self.check_request(request)
+        with self._cond:
+            if self._stopping or self.error is not None:
+                raise EngineStopped("the server is shutting down." if self.error is None
+                                    else f"the engine failed: {self.error}")
+            free = sum(s is None for s in self._rows)
+            if len(self._waiting) >= self.config.max_queue + free:
+                raise QueueFull(f"{len(self._waiting)} requests already wait for one of "
+                                f"{self.config.max_batch} rows.")
+            seq = Sequence(request, on_event, next(self._numbers))
+            self._waiting.append(seq)
+            self._cond.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """End a request early (a stop string, a client gone); its row is freed before the
+        next step. Harmless when it already finished."""
+        with self._cond:
+            seq.cancelled = True
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        with self._cond:
+            busy = sum(s is not None for s in self._rows)
+            return {"rows": self.config.max_batch, "rows_busy": busy,
+                    "queued": len(self._waiting), "max_rows_busy": self.max_rows_busy,
+                    "compilations_at_startup": self.compilations_at_startup,
+                    "cache_hits_at_startup": self.cache_hits_at_startup,
+                    "compilations_since_ready": self.compilations_since_ready,
+                    "startup_seconds": round(self.startup_seconds, 3),
+                    "finished": dict(self.finished)}
+
+    def start(self) -> None:
+        """Start the engine thread: it compiles every program, sets `ready`, then serves."""
+        jax.monitoring.register_event_duration_secs_listener(self._on_jax_event)
+        jax.monitoring.register_event_listener(self._on_cache_event)
+        self._thread = threading.Thread(target=self._main, name="cca-jax-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop: requests still queued or running end with "cancelled"; waits for the
+        thread (up to `timeout` seconds)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        jax.monitoring.unregister_event_duration_listener(self._on_jax_event)
+        jax.monitoring.unregister_event_listener(self._on_cache_event)
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _on_cache_event(self, name: str, **kwargs) -> None:
+        if name == CACHE_HIT_EVENT and not self.ready.is_set():
+            self.cache_hits_at_startup += 1
+
+    def _on_jax_event(self, name: str, seconds: float, **kwargs) -> None:
+        """Counts programs compiled (or loaded from the persistent cache: a load is counted
+        too, since jit's in-memory cache missed)."""
+        if name == COMPILE_EVENT:
+            if self.ready.is_set():
+                self.compilations_since_ready += 1
+            else:
+                self.compilations_at_startup += 1
+
+    def _main(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._cache = self._new_cache()
+            self._warm_up()
+            self.startup_seconds = time.perf_counter() - start
+            self.ready.set()
+            log.info("engine ready in %.1f s", self.startup_seconds)
+            while self._turn():
+                pass
+        except BaseException as e:  # noqa: BLE001  (report, fail every request, stop)
+            log.exception("the engine failed")
+            self.error = e
+            self._end_all("error")
+            return
+        self._end_all("cancelled")
+
+    def _new_cache(self):
+        cfg, b, n = self.model.config, self.config.max_batch, self.config.max_len
+        sharding = None
+        if self.mesh is not None:
+            from cca_jax.kv_cache import cache_shapes
+            from cca_jax.sharding import cache_shardings
+            sharding = cache_shardings(cache_shapes(cfg, b, n), self.mesh)
+        return init_cache(cfg, b, n, sharding=sharding)
+
+    def _warm_up(self) -> None:
+        """Run each program once on inputs that change nothing (no active row, no valid
+        token), so that every one is compiled before the first request."""
+        b, p = self.config.max_batch, self.config.prefill_rows
+        self._cache = _reset_rows(self._cache, np.zeros(b, bool))
+        rows = None if p == b else np.arange(p, dtype=np.int32)
+        self._run_prefill(rows, np.zeros((p, self.config.chunk_size), np.int32),
+                          np.zeros(p, np.int32), [None] * p)
+        for pool in self._pool_programs():
+            self._run_decode(np.zeros(b, bool), [None] * b, pool)
+
+    def _pool_programs(self) -> list[bool]:
+        """The decode programs this cache can need: without pooling, and with it if some
+        position completes a slot the cache stores."""
+        slots = self._cache.num_slots
+        if not slots:
+            return [False]
+        t = np.arange(self.config.max_len)
+        return [False] + ([True] if blocks.completes_slot(self._pattern, t, slots).any()
+                          else [])
+
+    def _turn(self) -> bool:
+        """One turn of the loop (module docstring); False when it is time to stop."""
+        with self._cond:
+            while not (self._stopping or self._waiting or any(self._rows)):
+                self._cond.wait()
+            if self._stopping:
+                return False
+            self._drop_cancelled()
+            admitted = self._admit()
+        if admitted:
+            mask = np.zeros(self.config.max_batch, bool)
+            mask[[s.row for s in admitted]] = True
+            self._cache = _reset_rows(self._cache, mask)
+        self._prefill_once()
+        self._decode_once()
+        return True
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._waiting if s.cancelled]:
+            self._waiting.remove(seq)
+            self._finish(seq, "cancelled")
+        for seq in self._rows:
+            if seq is not None and seq.cancelled:
+                self._finish(seq, "cancelled")
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        for row, seq in enumerate(self._rows):
+            if seq is None and self._waiting:
+                seq = self._waiting.popleft()
+                seq.row = row
+                self._rows[row] = seq
+                admitted.append(seq)
+        busy = sum(s is not None for s in self._rows)
+        self.max_rows_busy = max(self.max_rows_busy, busy)
+        return admitted
+
+    def _settings(self, seqs):
+        """Per-row sampling arrays; None entries (no request) are greedy."""
+        reqs = [s.request if s is not None else None for s in seqs]
+        seeds = np.array([r.seed if r else 0 for r in reqs], np.int32)
+        temperature = np.array([r.temperature if r else 0.0 for r in reqs], np.float32)
+        top_k = np.array([(r.top_k or 0) if r else 0 for r in reqs], np.int32)
+        top_p = np.array([(r.top_p if r and r.top_p is not None else 1.0) for r in reqs],
+                         np.float32)
+        return seeds, temperature, top_k, top_p
+
+    def _run_prefill(self, rows, ids, n_valid, seqs):
+        tokens, self._cache = _prefill_and_sample(self._model_state, self._cache, rows, ids,
+                                                  n_valid, *self._settings(seqs))
+        return np.asarray(tokens)
+
+    def _run_decode(self, active, seqs, pool):
+        tokens = np.array([s.last_token if s is not None else 0 for s in seqs], np.int32)
+        steps = np.array([s.generated if s is not None else 0 for s in seqs], np.int32)
+        seeds, temperature, top_k, top_p = self._settings(seqs)
+        out, self._cache = _decode_and_sample(self._model_state, self._cache, tokens, active,
+                                              seeds, steps, temperature, top_k, top_p,
+                                              pool_slots=pool)
+        return np.asarray(out)
+
+    def _prefill_once(self) -> None:
+        pending = sorted((s for s in self._rows if s is not None
+                          and s.prefilled < len(s.request.prompt)), key=lambda s: s.number)
+        if not pending:
+            return
+        p, chunk = self.config.prefill_rows, self.config.chunk_size
+        batch = pending[:p]
+        if p == self.config.max_batch:   # every row: the whole cache, no rows copied
+            slots = [s.row for s in batch]
+            rows, seqs = None, [None] * p
+        else:   # the P rows, then other rows (no tokens: unchanged) to make up P
+            taken = {s.row for s in batch}
+            fillers = [r for r in range(self.config.max_batch) if r not in taken]
+            slots = list(range(len(batch)))
+            rows = np.array([s.row for s in batch] + fillers[:p - len(batch)], np.int32)
+            seqs = [None] * p
+        ids = np.zeros((p, chunk), np.int32)
+        n_valid = np.zeros(p, np.int32)
+        for i, seq in zip(slots, batch):
+            part = seq.request.prompt[seq.prefilled:seq.prefilled + chunk]
+            ids[i, :len(part)] = part
+            n_valid[i] = len(part)
+            seqs[i] = seq
+        tokens = self._run_prefill(rows, ids, n_valid, seqs)
+        for i, seq in zip(slots, batch):
+            seq.prefilled += int(n_valid[i])
+            if seq.prefilled == len(seq.request.prompt):
+                self._take_token(seq, int(tokens[i]))
+
+    def _decode_once(self) -> None:
+        seqs = [s if s is not None and s.prefilled == len(s.request.prompt) else None
+                for s in self._rows]
+        active = np.array([s is not None for s in seqs])
+        if not active.any():
+            return
+        positions = np.array([len(s.request.prompt) + s.generated - 1 for s in seqs
+                              if s is not None])
+        pool = bool(self._cache.num_slots and blocks.completes_slot(
+            self._pattern, positions, self._cache.num_slots).any())
+        tokens = self._run_decode(active, seqs, pool)
+        for row in np.flatnonzero(active):
+            self._take_token(seqs[row], int(tokens[row]))
+
+    def _take_token(self, seq: Sequence, token: int) -> None:
+        """A row's newly sampled token: pass it on, or end the row."""
+        seq.generated += 1
+        seq.last_token = token
+        if seq.cancelled:
+            self._finish(seq, "cancelled")
+        elif seq.request.stop_at_eos and token in self.eos:
+            self._finish(seq, "stop")
+        else:
+            self._notify(seq, token, None)
+            if seq.generated >= seq.request.max_tokens:
+                self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        if 0 <= seq.row < len(self._rows) and self._rows[seq.row] is seq:
+            self._rows[seq.row] = None
+        self.finished[reason] += 1
+        self._notify(seq, None, reason)
+
+    def _notify(self, seq: Sequence, token, reason) -> None:
+        try:
+            seq.on_event(token, reason)
+        except Exception:  # noqa: BLE001  (a listener's failure must not stop the engine)
+            log.exception("request %d: its event listener failed", seq.number)
+
+    def _end_all(self, reason: str) -> None:
+        with self._cond:
+            self._stopping = True
+            for seq in list(self._waiting) + [s for s in self._rows if s is not None]:
+                self._finish(seq, reason)
+            self._waiting.clear()

@@ -1,0 +1,505 @@
+"""The OpenAI-compatible server (`python -m cca_jax.serve`): the official `openai` client
+against a server this module starts on loopback (completions, chat, streaming, stop strings,
+seeds), bad requests and their error objects, a client that disconnects mid-stream, a bounded
+load test whose greedy answers must equal `generate()` run one request at a time, compile
+counting, a full queue, and shutdown on SIGTERM / SIGINT.
+
+Speed: one tiny float32 checkpoint with the Llama 2 vocabulary; one server for the module
+(compiled once; its persistent compilation cache lies in a temporary directory, so the
+shutdown tests' servers load their programs from it); prompts in the load test are token ids.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests import hf_fixtures as fx
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA2_TOKENIZER = fx.DATA_DIR / "llama2_tokenizer.model"
+MAX_LEN = 256
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+SERVER_FLAGS = ["--max-batch", "4", "--max-len", str(MAX_LEN), "--chunk-size", "16",
+                "--prefill-rows", "2", "--max-queue", "64"]
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny random LLaMA (CCA g=4, s=8) with the Llama 2 tokenizer and a chat template;
+    `ckpt.parent / "plain"` is the same without a template."""
+    if not LLAMA2_TOKENIZER.exists():
+        pytest.skip(f"{LLAMA2_TOKENIZER} not found (shared test data is absent)")
+    from cca_jax.checkpoint import save_pretrained
+    from cca_jax.config import LlamaConfig
+    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.tokenizer import load_tokenizer
+
+    base = tmp_path_factory.mktemp("serve")
+    d = base / "tiny-chat"
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=MAX_LEN, dtype="float32", param_dtype="float32",
+                      bos_token_id=1, eos_token_id=2,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 8})
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    save_pretrained(d, jax.tree.map(lambda p: np.asarray(p) * (4.0 if p.ndim > 1 else 1.0),
+                                    params), cfg)
+    shutil.copy(LLAMA2_TOKENIZER, d / "tokenizer.model")
+    tok = load_tokenizer(d)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(d)
+    plain = base / "plain"
+    shutil.copytree(d, plain)
+    (plain / "chat_template.jinja").unlink()
+    return d
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+    from cca_jax.tokenizer import load_tokenizer
+    return load_tokenizer(ckpt)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    import cca_jax
+    return cca_jax.from_pretrained(ckpt)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m cca_jax.serve` in a child process on a free loopback port."""
+
+    def __init__(self, ckpt: Path, cache: Path, log: Path, flags=()):
+        self.port, self.log_path = free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
+        self.log = open(log, "w")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cca_jax.serve", "--ckpt", str(ckpt), "--port",
+             str(self.port), "--compile-cache", str(cache), *SERVER_FLAGS, *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout=180.0) -> float:
+        """Seconds from the start to the first 200 of /health (503 before)."""
+        codes = set()
+        while time.perf_counter() - self.started < timeout:
+            assert self.proc.poll() is None, self.output()
+            try:
+                r = httpx.get(self.url + "/health", timeout=5)
+                codes.add(r.status_code)
+                if r.status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"not healthy after {timeout} s (codes {codes}):\n{self.output()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, compile_cache, tmp_path_factory):
+    srv = Server(ckpt, compile_cache, tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def greedy_ids(model, prompt_ids, max_tokens):
+    """What `generate()` gives for this request alone (the reference), EOS dropped."""
+    from cca_jax.generate import generate
+    out = generate(model, [prompt_ids], max_new_tokens=max_tokens, max_len=MAX_LEN)[0]
+    return out[:-1] if out and out[-1] == model.config.eos_token_id else out
+
+
+def text_of(tokenizer, prompt_ids, ids) -> str:
+    from cca_jax.serve.text import CompletionText
+    text = CompletionText(tokenizer, prompt_ids)
+    return "".join(text.push(t) for t in ids) + text.finish()
+
+
+# ---- the openai client ------------------------------------------------------------------------
+
+def test_completion_equals_generate(server, client, model, tokenizer):
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    prompt = "Once upon a time"
+    ids = tokenizer(prompt)["input_ids"]
+    got = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12,
+                                    temperature=0)
+    want = greedy_ids(model, ids, 12)
+    assert got.choices[0].text == text_of(tokenizer, ids, want)
+    assert got.choices[0].finish_reason == ("length" if len(want) == 12 else "stop")
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(want)
+    assert got.usage.total_tokens == len(ids) + len(want)
+    assert got.object == "text_completion" and got.model == "tiny-chat"
+
+
+def test_streaming_completion_and_chat(client, model, tokenizer):
+    whole = client.completions.create(model="tiny-chat", prompt="The cat", max_tokens=10,
+                                      temperature=0)
+    chunks = list(client.completions.create(model="tiny-chat", prompt="The cat",
+                                            max_tokens=10, temperature=0, stream=True))
+    assert len(chunks) >= 3
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+    messages = [{"role": "user", "content": "Say hi"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    chat = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == text_of(tokenizer, ids,
+                                                      greedy_ids(model, ids, 8))
+    assert chat.usage.prompt_tokens == len(ids)
+    parts = list(client.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == \
+        chat.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    full = client.completions.create(model="tiny-chat", prompt="Hello there", max_tokens=24,
+                                     temperature=0).choices[0].text
+    assert len(full) > 12
+    stop = full[6:9]
+    cut = full[:full.find(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model="tiny-chat", prompt="Hello there",
+                                        max_tokens=24, temperature=0, stop=[stop, "@@@"],
+                                        stream=stream)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == cut
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate(client, model, tokenizer):
+    from cca_jax.generate import generate
+
+    def draw(seed):
+        return client.completions.create(model="tiny-chat", prompt="A dog", max_tokens=10,
+                                         temperature=1.0, top_p=0.9, seed=seed,
+                                         extra_body={"top_k": 50}).choices[0].text
+
+    first = draw(7)
+    assert draw(7) == first and draw(8) != first
+    ids = tokenizer("A dog")["input_ids"]
+    want = generate(model, [ids], max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50,
+                    seed=7, max_len=MAX_LEN)[0]
+    want = want[:-1] if want[-1] == 2 else want
+    assert first == text_of(tokenizer, ids, want)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, 40000]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": MAX_LEN}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": MAX_LEN}, 400, "messages"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    r = httpx.post(server.url + path, json={"model": "tiny-chat", **body}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if "max_tokens" in body and body["max_tokens"] == MAX_LEN:
+        assert err["code"] == "context_length_exceeded" and str(MAX_LEN) in err["message"]
+
+
+def test_bad_json_and_unknown_route(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_openai_client_raises_on_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-chat", prompt="x", n=3)
+    assert info.value.body["param"] == "n"
+
+
+# ---- rows: disconnects, load, compilation ----------------------------------------------------
+
+def wait_idle(server, timeout=10.0) -> dict:
+    start = time.perf_counter()
+    while True:
+        h = server.health()
+        if (h["rows_busy"] == 0 and h["queued"] == 0) or time.perf_counter() - start > timeout:
+            return h
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
+    before = server.health()["finished"].get("cancelled", 0)
+    body = {"model": "tiny-chat", "prompt": [1], "max_tokens": MAX_LEN - 1, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert got and server.health()["rows_busy"] == 1
+    h = wait_idle(server)
+    assert h["rows_busy"] == 0, h
+    assert h["finished"].get("cancelled", 0) == before + 1, h
+
+
+@pytest.mark.long
+def test_load_many_concurrent_clients(server, model, tokenizer):
+    """32 concurrent clients, 48 greedy requests with prompts of 1-100 tokens and 1-24 new
+    tokens on 4 rows: no errors, every answer (token for token, as text) equals generate()'s
+    for that request alone, no leaked rows, and no program compiled after start-up."""
+    rng = np.random.default_rng(0)
+    requests = [(rng.integers(3, 32000, int(rng.integers(1, 101))).tolist(),
+                 int(rng.integers(1, 25))) for _ in range(48)]
+
+    def ask(req):
+        prompt, max_tokens = req
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0})
+        return r.status_code, r.json()
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, requests))
+    assert time.perf_counter() - start < 60
+    for (prompt, max_tokens), (status, body) in zip(requests, answers):
+        assert status == 200, body
+        want = greedy_ids(model, prompt, max_tokens)
+        assert body["usage"]["completion_tokens"] == len(want)
+        assert body["choices"][0]["text"] == text_of(tokenizer, prompt, want)
+    h = wait_idle(server)
+    assert h["rows_busy"] == 0 and h["queued"] == 0, h
+    assert h["max_rows_busy"] == 4
+    assert h["compilations_since_ready"] == 0, h
+
+
+# ---- a full queue, no chat template, shutdown ------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_full_queue_no_template_and_shutdown(ckpt, compile_cache, server, tmp_path, sig):
+    """A second server (the same model without a chat template, no queue) loads its programs
+    from the compilation cache the first one filled (every one: none compiles). With
+    its 4 rows busy a request gets 503 + Retry-After; chat gets a 400 naming the missing
+    template. On SIGTERM / SIGINT the streams in flight still end with [DONE] and the process
+    exits cleanly (0 / 130)."""
+    srv = Server(ckpt.parent / "plain", compile_cache, tmp_path / "log",
+                 flags=["--max-queue", "0"])
+    try:
+        srv.wait_healthy()
+        warm, cold = srv.health(), server.health()
+        assert cold["cache_hits_at_startup"] == 0 and warm["cache_hits_at_startup"] >= 4, warm
+        assert warm["cache_hits_at_startup"] == warm["compilations_at_startup"], warm
+        body = {"model": "plain", "prompt": [1], "max_tokens": 200, "temperature": 0,
+                "stream": True}
+        with contextlib.ExitStack() as streams:
+            lines = []
+            for _ in range(4):
+                r = streams.enter_context(httpx.stream("POST", srv.url + "/v1/completions",
+                                                       json=body, timeout=60))
+                lines.append(r.iter_lines())
+                assert next(lines[-1]).startswith("data:")
+            busy = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False})
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+            assert busy.json()["error"]["code"] == "queue_full"
+            chat = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as info:
+                chat.chat.completions.create(model="plain", max_tokens=2,
+                                             messages=[{"role": "user", "content": "hi"}])
+            assert "chat template" in info.value.body["message"]
+            srv.proc.send_signal(sig)
+            for stream in lines:
+                rest = [x for x in stream if x.startswith("data:")]
+                assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        code = srv.proc.wait(60)
+        assert code == (0 if sig == signal.SIGTERM else 130), srv.output()
+        assert "Traceback" not in srv.output(), srv.output()
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+# ---- pieces without a server -----------------------------------------------------------------
+
+TEXT = "Once upon a time, Lily's cat said:\n\n  \"naïve über 😀 日本語\" -- 3.14 ok."
+
+
+def test_completion_text_handles_multibyte_characters_and_stop_strings(tokenizer):
+    """Streamed pieces never hold half a character; a stop string spanning tokens cuts the
+    text right before it, and nothing that might start it is released early."""
+    from cca_jax.serve.text import CompletionText
+
+    ids = tokenizer(TEXT)["input_ids"]
+    prompt, gen = ids[:3], ids[3:]
+    start = tokenizer.decode(prompt, skip_special_tokens=True)
+    rest = TEXT[len(start):]
+    for stop, want in (([], rest), (["日本"], rest[:rest.find("日本")]),
+                       (["über 😀", "zzz"], rest[:rest.find("über")]), (["ok."], rest[:-3])):
+        text = CompletionText(tokenizer, prompt, stop)
+        pieces = []
+        for t in gen:
+            pieces.append(text.push(t))
+            if text.stopped:
+                break
+        pieces.append(text.finish())
+        assert "".join(pieces) == want, (stop, pieces)
+        assert not any("\ufffd" in p for p in pieces)
+        assert text.stopped == bool(stop)
+
+
+def test_compile_cache_flags(tmp_path, monkeypatch):
+    from cca_jax.cli import add_compile_cache_args, default_compile_cache_dir
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_compile_cache_args(ap)
+    monkeypatch.setenv("CCA_JAX_CACHE_DIR", str(tmp_path))
+    assert default_compile_cache_dir() == tmp_path / "jax-compile"
+    assert ap.parse_args([]).compile_cache is None
+    assert ap.parse_args(["--no-compile-cache"]).no_compile_cache
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--no-compile-cache", "--compile-cache", "x"])
+    monkeypatch.delenv("CCA_JAX_CACHE_DIR")
+    assert default_compile_cache_dir() == Path.home() / ".cache" / "cca-jax" / "jax-compile"
+    assert json.dumps(str(default_compile_cache_dir()))
+
+
+def test_serve_trace_benchmark_small_mode(tmp_path):
+    """benchmarks/serve_trace.py --small: the H200 trace's code path on a tiny model, in
+    process (no start-time children)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serve_trace import main
+
+    out = tmp_path / "trace"
+    assert main(["--small", "--attention", "cca", "--no-start-times", "--out", str(out)]) == 0
+    rec = json.loads(out.with_suffix(".json").read_text())[0]
+    assert rec["errors"] == 0 and rec["generated_tokens"] == 8 * 8
+    assert rec["compilations_since_ready"] == 0 and rec["max_rows_busy"] >= 2
+    assert rec["ttft_p95_s"] >= rec["ttft_p50_s"] > 0 and rec["itl_p50_ms"] > 0
+    assert {"device", "jax", "date", "command", "commit"} <= set(rec)
+    assert "| cca | 4 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_engine_over_a_mesh_equals_generate():
+    """The engine over the devices (rows over data, heads over tensor 2; the sharding table)
+    gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time."""
+    import threading
+
+    from cca_jax.config import LlamaConfig
+    from cca_jax.generate import generate
+    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.serve.engine import Engine, EngineConfig, Request
+    from cca_jax.sharding import make_mesh, parse_mesh
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      dtype="float32", param_dtype="float32", eos_token_id=None,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (3, 40, 1, 17, 70, 9)]
+    want = [generate(model, [p], max_new_tokens=10, max_len=128)[0] for p in prompts]
+    engine = Engine(model, EngineConfig(max_batch=4, max_len=128, chunk_size=16,
+                                        prefill_rows=2),
+                    mesh=make_mesh(parse_mesh("data=-1,tensor=2")))
+    got = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def listener(i):
+        def on_event(token, reason):
+            if token is None:
+                done.release()
+            else:
+                got[i].append(token)
+        return on_event
+
+    engine.start()
+    try:
+        for i, p in enumerate(prompts):
+            engine.submit(Request(p, max_tokens=10), listener(i))
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+    finally:
+        engine.shutdown()
+    assert engine.error is None and got == want
+    assert engine.stats()["compilations_since_ready"] == 0
