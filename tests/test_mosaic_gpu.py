@@ -1,0 +1,295 @@
+"""The Mosaic GPU forward (`pallas_kernels.mosaic_gpu`).
+
+On the CPU (default suite): there is no Mosaic GPU interpreter in jax 0.10, so the kernel
+itself cannot run here. What runs: cross-lowering for "cuda" (builds the Mosaic GPU module:
+catches API, shape, layout and wgmma/TMA constraint errors; not ptxas, shared memory at run
+time or numerics), the config validation, and the block walk the kernel takes, checked
+against dense visibility in Python (`tables.walk_steps` mirrors the kernel's loop bounds).
+On a Hopper GPU (`gpu` marker): outputs against the float64 references, row by row, and
+against the Triton kernels; gradients (the Triton backward fed with this forward's output
+and log2-sum-exp).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cca_jax import blocks
+from cca_jax.padding import pad_row_bounds
+from pallas_kernels.mosaic_gpu import (MosaicConfig, blocked_attention_mosaic_gpu,
+                                       mosaic_config, shared_memory_bytes, visit_tables)
+from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES
+from pallas_kernels.mosaic_gpu.tables import walk_steps
+
+S = jax.ShapeDtypeStruct
+
+
+# ---- CPU: cross-lowering ------------------------------------------------------------------
+
+def _lowered_text(dtype, d, hq, hkv, length, m, grad=False, **tiling):
+    q, kv, c = (S((2, length, h, d), jnp.dtype(dtype)) for h in (hq, hkv, hkv))
+    c = S((2, m, hq, d), jnp.dtype(dtype))
+    bounds = S((2, length), jnp.int32)
+
+    def fwd(q, k, v, ck, cv, *b):
+        return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *b, **tiling)
+    fn = fwd
+    if grad:
+        fn = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    return jax.jit(fn).trace(q, kv, kv, c, c, bounds, bounds, bounds).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype,d,hq,hkv,tiling", [
+    ("bfloat16", 128, 8, 2, {}),                                  # the default tiling, GQA
+    ("float16", 64, 4, 4, dict(compute_wgs=1, stages=3)),         # one consumer warpgroup
+])
+def test_forward_lowers_for_cuda(dtype, d, hq, hkv, tiling):
+    """L = 1000 (not a multiple of any block), m = 45 slots (not a multiple of block_kv):
+    one Mosaic GPU kernel, no Triton one."""
+    text = _lowered_text(dtype, d, hq, hkv, 1000, 45, **tiling)
+    assert text.count("mosaic_gpu_v2(") == 1
+    assert "xla.gpu.triton" not in text
+
+
+def test_gradient_lowers_for_cuda():
+    """jax.grad through it: the Mosaic forward plus the three Triton backward kernels (dq,
+    dk/dv, dck/dcv); D = 96 runs zero-padded to 128."""
+    text = _lowered_text("bfloat16", 96, 8, 2, 700, 30, grad=True)
+    assert text.count("mosaic_gpu_v2(") == 1
+    assert text.count("xla.gpu.triton") == 3
+
+
+# ---- CPU: configuration ---------------------------------------------------------------------
+
+def test_config_defaults_fit_shared_memory():
+    cfg = mosaic_config()
+    assert cfg == MosaicConfig() and cfg.cta_rows == 128 and cfg.row_multiple == 128
+    for d in (64, 128):
+        assert shared_memory_bytes(cfg, d) <= SMEM_LIMIT_BYTES
+    assert mosaic_config(block_kv=None) == MosaicConfig()   # None: the default
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q=32), "block_q must be one of"),
+    (dict(block_kv=96), "block_kv must be one of"),
+    (dict(stages=1), "stages must be an int from 2 to 8"),
+    (dict(stages=True), "stages must be an int"),
+    (dict(compute_wgs=3), "compute_wgs must be one of"),
+    (dict(schedule_barrier=1), "schedule_barrier must be a bool"),
+    (dict(heavy_first="yes"), "heavy_first must be a bool"),
+    (dict(block_qq=64), "unknown Mosaic GPU kernel setting 'block_qq'"),
+    (dict(softmax_head_dim=80), "unknown Mosaic GPU kernel setting"),   # set by the padding
+])
+def test_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic_config(**fields)
+
+
+def _small_inputs(dtype=jnp.bfloat16, d=128, length=40, m=3):
+    q = jnp.zeros((1, length, 2, d), dtype)
+    kv = jnp.zeros((1, length, 1, d), dtype)
+    c = jnp.zeros((1, m, 2, d), dtype)
+    zeros = jnp.zeros((1, length), jnp.int32)
+    return q, kv, kv, c, c, zeros, zeros, zeros
+
+
+def test_input_errors():
+    args = _small_inputs()
+    with pytest.raises(ValueError, match="shared memory.*lower stages or block_kv"):
+        blocked_attention_mosaic_gpu(*args, stages=4)     # 4 x 2 x 32 KiB K/V + Q > 227 KiB
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        blocked_attention_mosaic_gpu(*_small_inputs(jnp.float32))
+    with pytest.raises(ValueError, match="head_dim up to 128"):
+        blocked_attention_mosaic_gpu(*_small_inputs(d=160))
+    q, k, v, ck, cv, *b = args
+    with pytest.raises(ValueError, match=r"\[B, L\]"):
+        blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
+
+
+# ---- CPU: the block walk against dense visibility -------------------------------------------
+
+def _segments(b, length, seed):
+    rng = np.random.default_rng(seed)
+    cuts = [np.sort(rng.choice(np.arange(1, length), 2, replace=False)) for _ in range(b)]
+    return np.stack([np.searchsorted(c, np.arange(length), side="right")
+                     for c in cuts]).astype(np.int32)
+
+
+PATTERNS = {
+    "full": blocks.Full(),
+    "sliding": blocks.Sliding(37),
+    "streaming": blocks.Streaming(37, 4),
+    "cca": blocks.CCA(4, 37),
+    "cca_sinks": blocks.CCA(5, 41, 3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _row_bounds(name: str, packed: bool, b: int, length: int):
+    """numpy `[B, L]` raw_lo, core_lo, core_hi of a pattern (three documents a row if packed)."""
+    seg = _segments(b, length, 5) if packed else None
+    ranges = jax.jit(blocks.pattern_ranges, static_argnums=(0, 1))(PATTERNS[name], length, seg)
+    return [np.broadcast_to(np.asarray(x), (b, length)) for x in
+            (ranges.raw_lo, ranges.core_lo, ranges.core_hi)]
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("block_q,wgs,block_kv", [(8, 2, 16), (16, 1, 8), (8, 2, 8)])
+def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packed, block_q,
+                                                                     wgs, block_kv):
+    """For every CTA and warpgroup, the steps the kernel takes (`walk_steps`, from the
+    tables): every (row, key) or (row, slot) pair a row sees lies in a visited block, and a
+    step left unmasked for a warpgroup is seen whole by each of its rows. Small blocks stand
+    in for the kernel's (the arithmetic is the same at any size)."""
+    b, length = 2, 150
+    bounds = _row_bounds(name, packed, b, length)
+    cfg_rows = block_q * wgs
+    lp = -(-length // max(cfg_rows, block_kv)) * max(cfg_rows, block_kv)
+    rlo, clo, chi = (np.asarray(x) for x in pad_row_bounds(*bounds, lp))
+    tables = visit_tables(rlo, clo, chi, block_q=block_q, compute_wgs=wgs, block_kv=block_kv)
+    assert tables.cta.shape == (b, lp // cfg_rows, 8) and tables.wg.shape == (b, lp // block_q, 8)
+    slots = int(chi.max()) + block_kv
+    for z in range(b):
+        for tile in range(lp // cfg_rows):
+            steps = walk_steps(tables.cta[z, tile], tables.wg[z, tile * wgs:(tile + 1) * wgs])
+            assert len(steps) >= 1
+            for w in range(wgs):
+                rows = np.arange(tile * cfg_rows + w * block_q, tile * cfg_rows + (w + 1) * block_q)
+                keys = np.arange(lp)
+                raw = (keys[None] >= rlo[z, rows, None]) & (keys[None] <= rows[:, None])
+                slot_ids = np.arange(slots)
+                core = (slot_ids[None] >= clo[z, rows, None]) & (slot_ids[None] < chi[z, rows, None])
+                covered = {"raw": np.zeros_like(raw), "core": np.zeros_like(core)}
+                for kind, block, masked in steps:
+                    cols = slice(block * block_kv, (block + 1) * block_kv)
+                    covered[kind][:, cols] = True
+                    if not masked[w]:
+                        seen = raw if kind == "raw" else core
+                        assert seen[:, cols].all(), (z, tile, w, kind, block)
+                assert not (raw & ~covered["raw"]).any(), (z, tile, w)
+                assert not (core & ~covered["core"]).any(), (z, tile, w)
+            kinds = [kind for kind, _, _ in steps]
+            assert kinds == sorted(kinds, key=["raw", "core"].index)   # raw blocks first
+
+
+# ---- on a Hopper GPU ----------------------------------------------------------------------
+
+def _hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return float(cc) >= 9.0
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+
+# Largest per-row error (`tests/row_errors.py`) against float64: bf16 as the Triton kernels'
+# GPU test (tests/test_pallas_gpu.py GPU_ROW_TOL); float16 has 3 more mantissa bits, x1/3
+# margin kept. Not yet measured for this kernel: the first GPU run prints the errors.
+ROW_TOL = {"bfloat16": dict(out=6e-3, grad=2.5e-2), "float16": dict(out=3e-3, grad=1.2e-2)}
+
+
+def _inputs(b, length, hq, hkv, d, dtype, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, length, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, length, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, length, hkv, d), jnp.float32).astype(dtype)
+    ct = jax.random.normal(ks[3], q.shape, jnp.float32)
+    return q, k, v, ct
+
+
+def _option_reference(q, k, v, name, pattern, seg):
+    from tests.reference import cca_reference
+    from tests.test_options import option_reference
+    seg = None if seg is None else np.asarray(seg)
+    if name == "cca":
+        return cca_reference(q, k, v, pattern.group_size, pattern.window_size,
+                             segment_ids=seg)
+    return option_reference(*(np.asarray(x, np.float32) for x in (q, k, v)), name, seg,
+                            w=pattern.window_size, n=pattern.sink_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _run(pattern, impl: str, tiling: tuple = ()):
+    """jit of (q, k, v, ct, seg) -> (out, grads of sum(out * ct) in q, k, v) through
+    `slots_and_bounds` and the Mosaic ("mosaic") or Triton ("triton") kernels."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.gpu import blocked_attention_pallas_gpu
+    entry = {"mosaic": blocked_attention_mosaic_gpu, "triton": blocked_attention_pallas_gpu}[impl]
+
+    def attention(q, k, v, seg):
+        ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
+        return entry(q, k, v, ck, cv, *bounds, **dict(tiling))
+
+    def run(q, k, v, ct, seg):
+        def loss(q, k, v):
+            out = attention(q, k, v, seg)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+    return jax.jit(run)
+
+
+GPU_OPTIONS = {
+    "full": blocks.Full(),
+    "sliding": blocks.Sliding(300),
+    "streaming": blocks.Streaming(300, 4),
+    "cca": blocks.CCA(16, 100),       # s not a multiple of g
+}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype,d,hq,hkv", [("bfloat16", 128, 4, 2), ("float16", 64, 4, 1),
+                                            ("bfloat16", 96, 2, 2)])
+@pytest.mark.parametrize("name", sorted(GPU_OPTIONS))
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_matches_float64_reference_and_triton(dtype, d, hq, hkv, name, packed):
+    """Every option through `slots_and_bounds`, ragged L = 1000, GQA, packed rows: the output
+    against float64 row by row, and output and q/k/v gradients against the Triton kernels'
+    (the same backward, so gradients differ only by the forwards' rounding)."""
+    pattern = GPU_OPTIONS[name]
+    from tests.row_errors import row_max_error
+    b, length = 2, 1000
+    q, k, v, ct = _inputs(b, length, hq, hkv, d, jnp.dtype(dtype), seed=len(name) + d)
+    seg = jnp.asarray(_segments(b, length, 7)) if packed else None
+    out, grads = _run(pattern, "mosaic")(q, k, v, ct, seg)
+    assert out.dtype == q.dtype and np.all(np.isfinite(np.asarray(out, np.float32)))
+    tol = ROW_TOL[dtype]
+    err = row_max_error(out, _option_reference(q, k, v, name, pattern, seg))
+    print(f"{name} {dtype} D={d} packed={packed}: out row error vs float64 {err:.2e}")
+    assert err < tol["out"], err
+    t_out, t_grads = _run(pattern, "triton")(q, k, v, ct, seg)
+    assert row_max_error(out, t_out) < tol["out"], row_max_error(out, t_out)
+    for dname, got, want in zip("qkv", grads, t_grads):
+        assert np.all(np.isfinite(np.asarray(got, np.float32))), dname
+        err = row_max_error(got, want)
+        print(f"  d{dname} row error vs the Triton kernels' {err:.2e}")
+        assert err < tol["grad"], (dname, err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("tiling", [
+    dict(compute_wgs=1), dict(schedule_barrier=False, heavy_first=False),
+    dict(block_kv=64, stages=4), dict(stages=3, block_kv=64, compute_wgs=1)])
+def test_gpu_every_tiling_matches_float64(tiling):
+    """The config's other settings (one consumer warpgroup, no schedule barrier, plain
+    launch order, narrow key blocks with a deeper ring) on packed CCA."""
+    from tests.reference import cca_reference
+    from tests.row_errors import row_max_error
+    pattern = blocks.CCA(16, 100)
+    q, k, v, ct = _inputs(1, 777, 4, 2, 128, jnp.bfloat16, seed=3)
+    seg = jnp.asarray(_segments(1, 777, 11))
+    out, _ = _run(pattern, "mosaic", tuple(sorted(tiling.items())))(q, k, v, ct, seg)
+    err = row_max_error(out, cca_reference(q, k, v, 16, 100, segment_ids=np.asarray(seg)))
+    print(f"{tiling}: out row error vs float64 {err:.2e}")
+    assert err < ROW_TOL["bfloat16"]["out"], err
+
