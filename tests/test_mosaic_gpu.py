@@ -141,7 +141,7 @@ def _row_bounds(name: str, packed: bool, b: int, length: int):
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("block_q,wgs,block_kv", [(8, 2, 16), (16, 1, 8), (8, 2, 8)])
+@pytest.mark.parametrize("block_q,wgs,block_kv", [(8, 2, 16), (16, 1, 8)])
 def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packed, block_q,
                                                                      wgs, block_kv):
     """For every CTA and warpgroup, the steps the kernel takes (`walk_steps`, from the
