@@ -161,11 +161,12 @@ def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packe
             steps = walk_steps(tables.cta[z, tile], tables.wg[z, tile * wgs:(tile + 1) * wgs])
             assert len(steps) >= 1
             for w in range(wgs):
-                rows = np.arange(tile * cfg_rows + w * block_q, tile * cfg_rows + (w + 1) * block_q)
+                rows = tile * cfg_rows + w * block_q + np.arange(block_q)
                 keys = np.arange(lp)
                 raw = (keys[None] >= rlo[z, rows, None]) & (keys[None] <= rows[:, None])
                 slot_ids = np.arange(slots)
-                core = (slot_ids[None] >= clo[z, rows, None]) & (slot_ids[None] < chi[z, rows, None])
+                core = ((slot_ids[None] >= clo[z, rows, None])
+                        & (slot_ids[None] < chi[z, rows, None]))
                 covered = {"raw": np.zeros_like(raw), "core": np.zeros_like(core)}
                 for kind, block, masked in steps:
                     cols = slice(block * block_kv, (block + 1) * block_kv)
@@ -177,6 +178,43 @@ def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packe
                 assert not (core & ~covered["core"]).any(), (z, tile, w)
             kinds = [kind for kind, _, _ in steps]
             assert kinds == sorted(kinds, key=["raw", "core"].index)   # raw blocks first
+
+
+@pytest.mark.slow   # about 40 s: three Triton kernels in interpret mode
+def test_triton_backward_takes_this_forwards_log2_sum_exp():
+    """The gradient path: `cca_backward` fed with an output and a log2-sum-exp made outside
+    the Triton forward (here in XLA, with the Mosaic forward's convention and its own row
+    padding, garbage past L) equals the Triton kernels' own VJP (interpret mode, small
+    tiles). This is the contract the Mosaic forward's custom_vjp relies on."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.gpu import cca_core_attention, kernel_config
+    from pallas_kernels.gpu.kernels import cca_backward
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    b, length, hq, hkv, d = 1, 40, 2, 1, 64
+    q = jax.random.normal(ks[0], (b, length, hq, d))
+    k, v = (jax.random.normal(x, (b, length, hkv, d)) for x in ks[1:3])
+    dout = jax.random.normal(ks[3], q.shape)
+    ck, cv, rlo, clo, chi = slots_and_bounds(q, k, v, blocks.CCA(4, 9))
+    cfg = kernel_config(interpret=True, block_q=16, block_k=16, dq_block_q=16, dq_block_k=16,
+                        dkv_block_k=16, dkv_block_q=16, dc_block_k=16, dc_block_q=16)
+    # Dense forward with the Mosaic kernel's lse convention: log2 sum exp2(s * scale * log2 e).
+    t = jnp.arange(length)
+    kk, vv = jnp.repeat(k, hq // hkv, axis=2), jnp.repeat(v, hq // hkv, axis=2)
+    keys = jnp.concatenate([ck, kk], axis=1)
+    vals = jnp.concatenate([cv, vv], axis=1)
+    slot = jnp.arange(ck.shape[1])
+    core = (slot[None, None] >= clo[..., None]) & (slot[None, None] < chi[..., None])
+    raw = (t[None, None] >= rlo[..., None]) & (t[None, None] <= t[None, :, None])
+    seen = jnp.concatenate([core, raw], axis=-1)                             # [B, L, m + L]
+    s = jnp.einsum("bthd,buhd->bhtu", q, keys) / np.sqrt(d)
+    s = jnp.where(seen[:, None], s, -jnp.inf)
+    out = jnp.einsum("bhtu,buhd->bthd", jax.nn.softmax(s, axis=-1), vals)
+    lse = jax.nn.logsumexp(s, axis=-1) / np.log(2.0)                         # [B, Hq, L]
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, 88)), constant_values=1e30)    # another padding
+    got = cca_backward(q, k, v, ck, cv, rlo, clo, chi, out, lse, dout, cfg)
+    _, vjp = jax.vjp(lambda *x: cca_core_attention(*x, rlo, clo, chi, cfg), q, k, v, ck, cv)
+    for name, g, w in zip(("dq", "dk", "dv", "dck", "dcv"), got, vjp(dout)):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 # ---- on a Hopper GPU ----------------------------------------------------------------------
