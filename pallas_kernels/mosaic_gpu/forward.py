@@ -44,16 +44,21 @@ _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
 
 
-def _row_layout():
-    """The layout of per-row vectors (m, l, bounds) next to a WGMMA tile."""
-    return plgpu.Layout.WGMMA.reduce(1)
+def _layouts(interpreted: bool):
+    """(tile, row) layout casts: a WGMMA tile's and its per-row vectors' (m, l, bounds).
+    The GPU interpreter runs arrays without layouts (it has no rule for the cast): there,
+    identities."""
+    if interpreted:
+        return (lambda x: x), (lambda x: x)
+    return (functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA),
+            functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
 
 
 def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             out_ref, lse_ref,
             qo_smem, k_smem, v_smem, rows_smem, lse_smem,
             q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar,
-            *, cfg: MosaicConfig, groups: int, scale: float):
+            *, cfg: MosaicConfig, groups: int, scale: float, interpreted: bool):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
     dtype = q_ref.dtype
     batch = lax.axis_index("batch")
@@ -63,6 +68,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
     if cfg.heavy_first:
         tile = cta_ref.shape[1] - 1 - tile
     use_sched = wgs == 2 and cfg.schedule_barrier
+    as_tile, as_rows = _layouts(interpreted)
 
     # The CTA's walk: raw blocks [raw_first, raw_last), then core blocks [core_first,
     # core_last); step s is raw block raw_first + s or core block core_first + s - n_raw.
@@ -86,16 +92,16 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, pl.ds(r0, bq)], rows, rows_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(rows_bar.at[wg])
-        raw_lo = plgpu.load(rows.at[0], (), layout=_row_layout())
-        core_lo = plgpu.load(rows.at[1], (), layout=_row_layout())
-        core_hi = plgpu.load(rows.at[2], (), layout=_row_layout())
+        # A read followed by a layout cast: the cast is the read's layout (what plgpu.load
+        # does, in a form the GPU interpreter also runs).
+        raw_lo, core_lo, core_hi = (as_rows(rows.at[i][...]) for i in range(3))
         c = scale * _LOG2E
 
         def wide(x):
             return lax.broadcast_in_dim(x, (bq, bk), [0])
 
         def iota(dim):
-            return plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=plgpu.Layout.WGMMA)
+            return as_tile(lax.broadcasted_iota(jnp.int32, (bq, bk), dim))
 
         def raw_visible(block):
             keys = iota(1) + block * bk
@@ -139,7 +145,12 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
                 @pl.when(nxt < n_steps)
                 def _():   # wait for the next keys while this product runs
                     plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
-            acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                if interpreted:
+                    return acc_ref[...]
+            if interpreted:   # the interpreter has no run_state: P V apart, then added
+                acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+            else:             # the wgmma accumulates onto acc in place
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
@@ -155,10 +166,9 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             return lax.fori_loop(full_last, last, body(visible), carry)
 
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
-        carry = (plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32),
-                                   plgpu.Layout.WGMMA),
-                 plgpu.layout_cast(jnp.full((bq,), _MAX_INIT, jnp.float32), _row_layout()),
-                 plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _row_layout()))
+        carry = (as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)),
+                 as_rows(jnp.full((bq,), _MAX_INIT, jnp.float32)),
+                 as_rows(jnp.zeros((bq,), jnp.float32)))
         plgpu.barrier_wait(k_ready.at[0])    # n_steps >= 1: every row sees its own key
         if use_sched:
             pl.when(wg == 1)(schedule_barrier)
@@ -215,9 +225,11 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         lax.fori_loop(jnp.int32(stages), jnp.maximum(n_steps, stages), refill, None)
 
 
-def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig):
+def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
+            interpret=None):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
-    `[B, Hq, Lp]` out."""
+    `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
+    `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA)."""
     b, lp, hq, d = q.shape
     scale = 1.0 / math.sqrt(cfg.softmax_head_dim or d)
     wgs, stages = cfg.compute_wgs, cfg.stages
@@ -239,7 +251,8 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig):
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # V slot released
         plgpu.Barrier(num_arrivals=wgs),                   # consumers' wgmma schedule
     )
-    kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale)
+    kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
+                               interpreted=interpret is not None)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -250,4 +263,5 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig):
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
     )(q, k, v, ck, cv, bounds, cta_visits, wg_visits)
