@@ -121,7 +121,13 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
                 if use_sched:
                     schedule_barrier()
                 return acc_ref[...]
-            sc = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+            if interpreted:   # no transposed wgmma operands there: a plain product
+                sc = lax.dot_general(qo[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+                if use_sched:
+                    schedule_barrier()
+            else:
+                sc = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if visible is not None:
                 sc = jnp.where(visible(block), sc, -jnp.inf)
@@ -138,17 +144,20 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             else:
                 plgpu.barrier_wait(v_ready.at[slot])
 
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            def wait_next_keys():
                 nxt = s + 1
 
                 @pl.when(nxt < n_steps)
-                def _():   # wait for the next keys while this product runs
+                def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
-                if interpreted:
-                    return acc_ref[...]
-            if interpreted:   # the interpreter has no run_state: P V apart, then added
-                acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                wait_next_keys()     # while this product runs
+            if interpreted:   # no run_state there: a plain product, added
+                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                    preferred_element_type=jnp.float32)
+                wait_next_keys()
             else:             # the wgmma accumulates onto acc in place
                 acc = pl.run_state(values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
@@ -229,7 +238,9 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
             interpret=None):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
     `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
-    `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA)."""
+    `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
+    tests of the walk, pipeline and softmax: it lacks layouts, run_state and transposed
+    wgmma operands, so there the two products are plain dots on the shared-memory tiles)."""
     b, lp, hq, d = q.shape
     scale = 1.0 / math.sqrt(cfg.softmax_head_dim or d)
     wgs, stages = cfg.compute_wgs, cfg.stages
