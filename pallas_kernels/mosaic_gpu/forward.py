@@ -233,6 +233,14 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             copy(s, slot, v_ref, cv_ref, v_smem, v_ready)
         lax.fori_loop(jnp.int32(stages), jnp.maximum(n_steps, stages), refill, None)
 
+        def drain(s, _):
+            """Observe the consumers' release of the last steps too: every phase of the
+            release barriers is then awaited (the GPU interpreter checks that)."""
+            slot = lax.rem(s, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+        lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
+
 
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
             interpret=None):
