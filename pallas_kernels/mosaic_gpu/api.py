@@ -46,26 +46,28 @@ def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig):
             pad_rows(cv, mp), jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
 
 
-def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig):
+def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret):
     from pallas_kernels.mosaic_gpu.forward import forward
-    out, lse = forward(*prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg), cfg)
+    out, lse = forward(*prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg), cfg,
+                       interpret=interpret)
     return out[:, :q.shape[1]], lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def mosaic_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig,
-                          backward_cfg):
+                          backward_cfg, interpret=None):
     """One softmax over raw keys `[raw_lo, t]` and slots `[core_lo, core_hi)` per row.
-    `backward_cfg`: the Triton kernels' KernelConfig its gradient runs with."""
-    return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg)[0]
+    `backward_cfg`: the Triton kernels' KernelConfig its gradient runs with; `interpret`:
+    None, or the GPU interpreter's params (`forward.forward`)."""
+    return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)[0]
 
 
-def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg):
-    out, lse = _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg)
+def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg, interpret):
+    out, lse = _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)
     return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
 
 
-def _vjp_bwd(cfg, backward_cfg, residuals, dout):
+def _vjp_bwd(cfg, backward_cfg, interpret, residuals, dout):
     from pallas_kernels.gpu.kernels import cca_backward
     return (*cca_backward(*residuals, dout, backward_cfg), None, None, None)
 
@@ -73,14 +75,27 @@ def _vjp_bwd(cfg, backward_cfg, residuals, dout):
 mosaic_core_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def _backward_config(dtype, softmax_head_dim: int, backward_tiling):
+def _backward_config(dtype, softmax_head_dim: int, backward_tiling, interpret: bool):
     from pallas_kernels.gpu.api import kernel_config
-    cfg = kernel_config(dtype, **(backward_tiling or {}))
+    cfg = kernel_config(dtype, interpret=interpret, **(backward_tiling or {}))
     return cfg._replace(softmax_head_dim=softmax_head_dim)
 
 
+def _interpret_params(interpret):
+    """None (compile), or the GPU interpreter's params for `interpret` (True: defaults)."""
+    if interpret is None or interpret is False:
+        return None
+    if interpret is True:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        params = getattr(plgpu, "InterpretGPUParams", None)   # public from jax 0.11
+        if params is None:                                    # jax 0.10: private only
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        return params()
+    return interpret
+
+
 def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
-                                 backward_tiling=None, **tiling):
+                                 backward_tiling=None, interpret=None, **tiling):
     """One softmax per row over raw keys and slots, through the Mosaic GPU forward (sm_90).
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (query head h uses KV head h // (Hq / Hkv),
@@ -91,7 +106,9 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first).
     Differentiable in q, k, v, ck, cv: the backward is the Triton-lowered kernels'
     (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper GPU to run; lowers
-    for "cuda" anywhere.
+    for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`) runs it on the CPU in
+    jax's GPU interpreter (slow: tiny shapes only; the backward then in Triton's interpret
+    mode).
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
     check_blocked_inputs(q, k, v, ck, cv, bounds)
@@ -110,7 +127,9 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     if width != d:
         cfg = cfg._replace(softmax_head_dim=d)
         q, k, v, ck, cv = (_pad_head_dim(x, width) for x in (q, k, v, ck, cv))
-    backward_cfg = _backward_config(q.dtype, cfg.softmax_head_dim, backward_tiling)
+    interpret = _interpret_params(interpret)
+    backward_cfg = _backward_config(q.dtype, cfg.softmax_head_dim, backward_tiling,
+                                    interpret is not None)
     out = mosaic_core_attention(q, k, v, ck, cv, *(x.astype(jnp.int32) for x in bounds), cfg,
-                                backward_cfg)
+                                backward_cfg, interpret)
     return out[..., :d]
