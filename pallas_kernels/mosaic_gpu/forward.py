@@ -8,7 +8,8 @@ two visit tables of `tables.visit_tables`. Outputs: out `[B, Lp, Hq, D]` and the
 One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1` warpgroups:
   producer   (the last warpgroup) walks the CTA's steps: the raw-window key blocks, then the
              core-slot blocks, TMA-copying each step's K and V block into ring slot
-             `step % stages` once both consumers have released it.
+             `step % stages` once both consumers have released it (and at the end awaits
+             the last releases, so every barrier phase is observed).
   consumers  each owns `block_q` rows: S = Q K^T on wgmma, ONE online softmax in base 2
              over all steps, O += P V on wgmma. A step is masked only where it is an edge
              block for that warpgroup's rows (split loops: masked / unmasked / masked per
@@ -18,6 +19,8 @@ The block ranges come from `cca_jax.blocks` via the tables: nothing is re-derive
 Masked scores are -inf and the running max starts at a finite -1e30, so a fully masked step
 changes nothing and no -inf - -inf occurs (raw blocks come first and every row sees its own
 key, so l >= 1 at the end).
+The same body runs under jax's GPU interpreter on a CPU (`interpret`), which checks the
+barrier protocol; there the two products are plain dots (see `forward`).
 """
 
 from __future__ import annotations
