@@ -14,6 +14,8 @@ A kernel that fails to compile or run is recorded with its error; the others go 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import statistics
 import sys
@@ -29,10 +31,18 @@ from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
 
-def _kernels():
+def _kernels(mosaic_tilings: list) -> dict:
+    """name -> kernel: the Mosaic forward at each tiling (`mosaic_gpu` for the defaults,
+    `mosaic_gpu[field=value,...]` otherwise), then the Triton one."""
     from pallas_kernels.gpu import blocked_attention_pallas_gpu
     from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
-    return {"mosaic_gpu": blocked_attention_mosaic_gpu, "triton": blocked_attention_pallas_gpu}
+    kernels = {}
+    for tiling in mosaic_tilings:
+        name = "mosaic_gpu" + (f"[{','.join(f'{k}={v}' for k, v in sorted(tiling.items()))}]"
+                               if tiling else "")
+        kernels[name] = functools.partial(blocked_attention_mosaic_gpu, **tiling)
+    kernels["triton"] = blocked_attention_pallas_gpu
+    return kernels
 
 
 def _prepared(length: int, hq: int, hkv: int, d: int, pattern):
@@ -67,10 +77,13 @@ def main(argv=None):
     ap.add_argument("--g", type=int, default=16)
     ap.add_argument("--s", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--mosaic-tilings", default="[{}]",
+                    help='JSON list of MosaicConfig overrides, each timed, e.g. '
+                         '\'[{}, {"compute_wgs": 1}, {"block_kv": 64, "stages": 4}]\'')
     ap.add_argument("--out", default="benchmarks/results/research/mosaic_gpu_cca_h200")
     args = ap.parse_args(argv)
     pattern = CCA(args.g, args.s)
-    kernels = _kernels()
+    kernels = _kernels(json.loads(args.mosaic_tilings))
     base = stamp(argv)
     records, calls, outputs = [], {}, {}
     for length in map(int, args.lengths.split(",")):
@@ -78,8 +91,9 @@ def main(argv=None):
             inputs = _prepared(length, args.hq, hkv, args.d, pattern)
             flops = 4 * pattern.visible_scores(length) * args.d * args.hq
             for name, kernel in kernels.items():
-                rec = dict(base, impl=name, L=length, hq=args.hq, hkv=hkv, d=args.d, g=args.g,
-                           s=args.s, b=1, dtype="bfloat16", flops=flops)
+                rec = dict(base, impl=name.split("[")[0], kernel=name, L=length, hq=args.hq,
+                           hkv=hkv, d=args.d, g=args.g, s=args.s, b=1, dtype="bfloat16",
+                           flops=flops)
                 start = time.perf_counter()
                 try:   # compile everything before timing anything
                     fn = jax.jit(kernel).lower(*inputs).compile()
@@ -93,21 +107,21 @@ def main(argv=None):
                 records.append(rec)
     medians = _round_robin(calls, args.rounds)
     for rec in records:
-        key = (rec["L"], rec["hkv"], rec["impl"])
+        key = (rec["L"], rec["hkv"], rec["kernel"])
         if key in medians:
             rec["fwd_ms"] = medians[key]
             rec["fwd_tflops"] = rec["flops"] / rec["fwd_ms"] / 1e9
             other = outputs.get((rec["L"], rec["hkv"], "triton"))
-            if rec["impl"] != "triton" and other is not None:
+            if rec["kernel"] != "triton" and other is not None:
                 rec["rel_l2_vs_triton"] = rel_l2(outputs[key], other)
     rows = ["| L | Hkv | kernel | fwd ms | TFLOP/s | rel L2 vs Triton |",
             "| --- | --- | --- | --- | --- | --- |"]
     for r in records:
         if "fwd_ms" in r:
-            rows.append(f"| {r['L']} | {r['hkv']} | {r['impl']} | {r['fwd_ms']:.2f} | "
+            rows.append(f"| {r['L']} | {r['hkv']} | {r['kernel']} | {r['fwd_ms']:.2f} | "
                         f"{r['fwd_tflops']:.0f} | {r.get('rel_l2_vs_triton', '')} |")
         else:
-            rows.append(f"| {r['L']} | {r['hkv']} | {r['impl']} | error | | "
+            rows.append(f"| {r['L']} | {r['hkv']} | {r['kernel']} | error | | "
                         f"{r.get('error', '')[:80]} |")
     header = (f"Mosaic GPU vs Triton CCA forward, {base['device']}, jax {base['jax']}, "
               f"{base['date']}, commit {base['commit']}\n\n")
