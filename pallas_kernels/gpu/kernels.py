@@ -558,11 +558,24 @@ def _cca_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg):
 
 
 def _cca_bwd(cfg, residuals, dout):
-    q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse = residuals
+    return (*cca_backward(*residuals, dout, cfg), None, None, None)
+
+
+def cca_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
+                 cfg: KernelConfig):
+    """(dq, dk, dv, dck, dcv) of `cca_core_attention` from its forward's residuals.
+
+    Also the backward of other forwards of the same function (the Mosaic GPU kernels):
+    `out` `[B, L, Hq, D]` and `lse` `[B, Hq, >= L]` float32, the log2-sum-exp of the scaled
+    scores (`m + log2(l)` with scores in units of `scale * log2(e)`). Rows past L (a
+    forward's own padding) are replaced by this kernel's: zeros, harmless since their dO is 0.
+    """
     length, m = q.shape[1], ck.shape[1]
     qp, kp, vp, ckp, cvp, rlo, clo, chi = _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi,
                                                   cfg)
     lp, mp = qp.shape[1], ckp.shape[1]
+    if lse.shape[-1] != lp:
+        lse = jnp.pad(lse[..., :length], ((0, 0), (0, 0), (0, lp - length)))
     # delta = rowsum(dO * O) [B, Hq, Lp]; the scale of the log2 softmax cancels in dS.
     delta = jnp.pad(softmax_delta(dout, out), ((0, 0), (0, 0), (0, lp - length)))
     dop = pad_rows(dout.astype(q.dtype), lp)
@@ -571,8 +584,7 @@ def _cca_bwd(cfg, residuals, dout):
     dq = _dq(qp, kp, vp, ckp, cvp, dop, lse, delta, rlo, clo, chi, cfg)
     dk, dv = _dkv(qp, kp, vp, dop, lse, delta, rlo, last_row, cfg)
     dck, dcv = _dcore(qp, ckp, cvp, dop, lse, delta, clo, chi, first_row, end_row, cfg)
-    return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m],
-            None, None, None)
+    return dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m]
 
 
 cca_core_attention.defvjp(_cca_fwd, _cca_bwd)

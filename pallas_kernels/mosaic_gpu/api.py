@@ -1,0 +1,135 @@
+"""Public entry of the Mosaic GPU kernels: `blocked_attention_mosaic_gpu`.
+
+Same prepared tensors as `pallas_kernels.gpu.blocked_attention_pallas_gpu` (the slots and
+bounds come from the caller, e.g. `cca_jax.attention.pooling.slots_and_bounds`). The forward
+is the Mosaic GPU kernel (`forward`); the backward, for now, is the Triton-lowered kernels'
+(`pallas_kernels.gpu.kernels.cca_backward`, imported only when differentiating), fed with
+this forward's output and log2-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from cca_jax.padding import pad_row_bounds, pad_rows, round_up
+from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicConfig, check_shared_memory,
+                                              mosaic_config)
+from pallas_kernels.shapes import check_blocked_inputs
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def padded_head_dim(d: int) -> int | None:
+    """The kernel head dim `d` runs at (itself, or the next one up, zero-padded), or None."""
+    return next((width for width in HEAD_DIMS if width >= d), None)
+
+
+def _pad_head_dim(x, width: int):
+    return x if x.shape[-1] == width else jnp.pad(
+        x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig):
+    """The kernel's operands: rows zero-padded to `cfg.row_multiple` (padded rows see only
+    themselves), slots to whole key blocks (at least one), bounds stacked `[B, 3, Lp]`, and
+    the visit tables."""
+    from pallas_kernels.mosaic_gpu.tables import visit_tables
+    lp = round_up(q.shape[1], cfg.row_multiple)
+    mp = round_up(max(ck.shape[1], 1), cfg.block_kv)
+    rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
+    tables = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
+                          block_kv=cfg.block_kv)
+    return (pad_rows(q, lp), pad_rows(k, lp), pad_rows(v, lp), pad_rows(ck, mp),
+            pad_rows(cv, mp), jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
+
+
+def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret):
+    from pallas_kernels.mosaic_gpu.forward import forward
+    out, lse = forward(*prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg), cfg,
+                       interpret=interpret)
+    return out[:, :q.shape[1]], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def mosaic_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig,
+                          backward_cfg, interpret=None):
+    """One softmax over raw keys `[raw_lo, t]` and slots `[core_lo, core_hi)` per row.
+    `backward_cfg`: the Triton kernels' KernelConfig its gradient runs with; `interpret`:
+    None, or the GPU interpreter's params (`forward.forward`)."""
+    return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)[0]
+
+
+def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg, interpret):
+    out, lse = _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)
+    return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
+
+
+def _vjp_bwd(cfg, backward_cfg, interpret, residuals, dout):
+    from pallas_kernels.gpu.kernels import cca_backward
+    return (*cca_backward(*residuals, dout, backward_cfg), None, None, None)
+
+
+mosaic_core_attention.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def _backward_config(dtype, softmax_head_dim: int, backward_tiling, interpret: bool):
+    from pallas_kernels.gpu.api import kernel_config
+    cfg = kernel_config(dtype, interpret=interpret, **(backward_tiling or {}))
+    return cfg._replace(softmax_head_dim=softmax_head_dim)
+
+
+def _interpret_params(interpret):
+    """None (compile), or the GPU interpreter's params for `interpret` (True: defaults)."""
+    if interpret is None or interpret is False:
+        return None
+    if interpret is True:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        params = getattr(plgpu, "InterpretGPUParams", None)   # public from jax 0.11
+        if params is None:                                    # jax 0.10: private only
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        return params()
+    return interpret
+
+
+def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
+                                 backward_tiling=None, interpret=None, **tiling):
+    """One softmax per row over raw keys and slots, through the Mosaic GPU forward (sm_90).
+
+    q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (query head h uses KV head h // (Hq / Hkv),
+    K/V never repeated); ck, cv: `[B, m, Hq, D]` slot keys/values per query head (m may be
+    0); raw_lo, core_lo, core_hi: int `[B, L]`, each non-decreasing along t. Row t sees raw
+    keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])`. bfloat16 or float16; D up
+    to 128 (64 and 128 native, others zero-padded to the next). `tiling`: MosaicConfig
+    fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first).
+    Differentiable in q, k, v, ck, cv: the backward is the Triton-lowered kernels'
+    (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper GPU to run; lowers
+    for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`) runs it on the CPU in
+    jax's GPU interpreter (slow: tiny shapes only; the backward then in Triton's interpret
+    mode).
+    """
+    bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
+    check_blocked_inputs(q, k, v, ck, cv, bounds)
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, ck, cv)}
+    if len(dtypes) != 1 or dtypes.pop() not in _DTYPES:
+        raise ValueError(f"the Mosaic GPU kernels take bfloat16 or float16 q, k, v, ck, cv "
+                         f"of one dtype, got {[str(x.dtype) for x in (q, k, v, ck, cv)]}; "
+                         f"cast them, or use blocked_attention_pallas_gpu for float32.")
+    d = q.shape[-1]
+    width = padded_head_dim(d)
+    if width is None:
+        raise ValueError(f"the Mosaic GPU kernels take head_dim up to {HEAD_DIMS[-1]}, got "
+                         f"{d}; use implementation='xla'.")
+    cfg = mosaic_config(**tiling)
+    check_shared_memory(cfg, width, q.dtype.itemsize)
+    if width != d:
+        cfg = cfg._replace(softmax_head_dim=d)
+        q, k, v, ck, cv = (_pad_head_dim(x, width) for x in (q, k, v, ck, cv))
+    interpret = _interpret_params(interpret)
+    backward_cfg = _backward_config(q.dtype, cfg.softmax_head_dim, backward_tiling,
+                                    interpret is not None)
+    out = mosaic_core_attention(q, k, v, ck, cv, *(x.astype(jnp.int32) for x in bounds), cfg,
+                                backward_cfg, interpret)
+    return out[..., :d]

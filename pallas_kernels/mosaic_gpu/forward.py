@@ -1,0 +1,289 @@
+"""The CCA forward as a warp-specialised Mosaic GPU kernel (sm_90: wgmma, TMA, mbarriers).
+
+Inputs are padded (`api`): q `[B, Lp, Hq, D]`, k/v `[B, Lp, Hkv, D]`, slots ck/cv
+`[B, Mp, Hq, D]`, the per-row bounds stacked `[B, 3, Lp]` (raw_lo, core_lo, core_hi) and the
+two visit tables of `tables.visit_tables`. Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp
+`[B, Hq, Lp]` float32 (the Triton forward's convention, so its backward can reuse it).
+
+One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1` warpgroups:
+  producer   (the last warpgroup) walks the CTA's steps: the raw-window key blocks, then the
+             core-slot blocks, TMA-copying each step's K and V block into ring slot
+             `step % stages` once both consumers have released it (and at the end awaits
+             the last releases, so every barrier phase is observed).
+  consumers  each owns `block_q` rows: S = Q K^T on wgmma, ONE online softmax in base 2
+             over all steps, O += P V on wgmma. A step is masked only where it is an edge
+             block for that warpgroup's rows (split loops: masked / unmasked / masked per
+             kind), and a step outside a warpgroup's own range is fully masked (no skipping:
+             both consumers must walk the same steps of the shared ring).
+The block ranges come from `cca_jax.blocks` via the tables: nothing is re-derived here.
+Masked scores are -inf and the running max starts at a finite -1e30, so a fully masked step
+changes nothing and no -inf - -inf occurs (raw blocks come first and every row sees its own
+key, so l >= 1 at the end).
+The same body runs under jax's GPU interpreter on a CPU (`interpret`), which checks the
+barrier protocol; there the two products are plain dots (see `forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
+                                              CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
+                                              RAW_FULL_LAST, RAW_LAST)
+
+_LOG2E = math.log2(math.e)
+_MAX_INIT = -1e30
+# Registers per thread after the producer hands its share to the two consumers (FA3's split:
+# 2 * 232 + 40 warps' worth fits the 64K registers of an SM).
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+
+
+def _layouts(interpreted: bool):
+    """(tile, row) layout casts: a WGMMA tile's and its per-row vectors' (m, l, bounds).
+    The GPU interpreter runs arrays without layouts (it has no rule for the cast): there,
+    identities."""
+    if interpreted:
+        return (lambda x: x), (lambda x: x)
+    return (functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA),
+            functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
+            out_ref, lse_ref,
+            qo_smem, k_smem, v_smem, rows_smem, lse_smem,
+            q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar,
+            *, cfg: MosaicConfig, groups: int, scale: float, interpreted: bool):
+    bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
+    dtype = q_ref.dtype
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile = lax.axis_index("q_tiles")
+    if cfg.heavy_first:
+        tile = cta_ref.shape[1] - 1 - tile
+    use_sched = wgs == 2 and cfg.schedule_barrier
+    as_tile, as_rows = _layouts(interpreted)
+
+    # The CTA's walk: raw blocks [raw_first, raw_last), then core blocks [core_first,
+    # core_last); step s is raw block raw_first + s or core block core_first + s - n_raw.
+    raw_first = cta_ref[batch, tile, RAW_FIRST]
+    core_first = cta_ref[batch, tile, CORE_FIRST]
+    n_raw = cta_ref[batch, tile, RAW_LAST] - raw_first
+    n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
+
+    @pl.when(wg < wgs)
+    def _consumer():
+        if wgs == 2:
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        r0 = tile * cfg.cta_rows + wg * bq
+        qo = qo_smem.at[wg]
+        rows = rows_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(r0, bq), head], qo, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, pl.ds(r0, bq)], rows, rows_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        plgpu.barrier_wait(rows_bar.at[wg])
+        # A read followed by a layout cast: the cast is the read's layout (what plgpu.load
+        # does, in a form the GPU interpreter also runs).
+        raw_lo, core_lo, core_hi = (as_rows(rows.at[i][...]) for i in range(3))
+        c = scale * _LOG2E
+
+        def wide(x):
+            return lax.broadcast_in_dim(x, (bq, bk), [0])
+
+        def iota(dim):
+            return as_tile(lax.broadcasted_iota(jnp.int32, (bq, bk), dim))
+
+        def raw_visible(block):
+            keys = iota(1) + block * bk
+            return (keys >= wide(raw_lo)) & (keys <= iota(0) + r0)
+
+        def core_visible(block):
+            slots = iota(1) + block * bk
+            return (slots >= wide(core_lo)) & (slots < wide(core_hi))
+
+        def step(s, block, carry, visible):
+            """One pipeline step: ring slot s % stages holds the block's keys and values."""
+            acc, m_i, l_i = carry
+            slot = lax.rem(s, jnp.int32(stages))
+
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                if use_sched:
+                    schedule_barrier()
+                return acc_ref[...]
+            if interpreted:   # no transposed wgmma operands there: a plain product
+                sc = lax.dot_general(qo[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+                if use_sched:
+                    schedule_barrier()
+            else:
+                sc = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if visible is not None:
+                sc = jnp.where(visible(block), sc, -jnp.inf)
+            m_new = jnp.maximum(m_i, sc.max(axis=1) * c)    # c > 0: max(s) * c = max(s * c)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(sc * c - wide(m_new))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            if use_sched:
+                plgpu.barrier_arrive(sched_bar)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(sched_bar)
+            else:
+                plgpu.barrier_wait(v_ready.at[slot])
+
+            def wait_next_keys():
+                nxt = s + 1
+
+                @pl.when(nxt < n_steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                wait_next_keys()     # while this product runs
+            if interpreted:   # no run_state there: a plain product, added
+                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                    preferred_element_type=jnp.float32)
+                wait_next_keys()
+            else:             # the wgmma accumulates onto acc in place
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        def walk(first, full_first, full_last, last, offset, visible, carry):
+            """Steps of blocks [first, last): unmasked on [full_first, full_last)."""
+            full_first = jnp.clip(full_first, first, last)
+            full_last = jnp.clip(full_last, full_first, last)
+
+            def body(mask):
+                return lambda j, carry: step(j - first + offset, j, carry, mask)
+            carry = lax.fori_loop(first, full_first, body(visible), carry)
+            carry = lax.fori_loop(full_first, full_last, body(None), carry)
+            return lax.fori_loop(full_last, last, body(visible), carry)
+
+        own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
+        carry = (as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)),
+                 as_rows(jnp.full((bq,), _MAX_INIT, jnp.float32)),
+                 as_rows(jnp.zeros((bq,), jnp.float32)))
+        plgpu.barrier_wait(k_ready.at[0])    # n_steps >= 1: every row sees its own key
+        if use_sched:
+            pl.when(wg == 1)(schedule_barrier)
+        carry = walk(raw_first, wg_ref[batch, own, RAW_FULL_FIRST],
+                     wg_ref[batch, own, RAW_FULL_LAST], raw_first + n_raw, 0, raw_visible,
+                     carry)
+        carry = walk(core_first, wg_ref[batch, own, CORE_FULL_FIRST],
+                     wg_ref[batch, own, CORE_FULL_LAST], core_first + n_steps - n_raw, n_raw,
+                     core_visible, carry)
+        if use_sched:
+            pl.when(wg == 0)(schedule_barrier)
+        acc, m_i, l_i = carry
+        l_i = jnp.maximum(l_i, 1e-30)
+        qo[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+        lse_smem.at[wg][...] = m_i + jnp.log(l_i) * _LOG2E
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo, out_ref.at[batch, pl.ds(r0, bq), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(r0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        if wgs == 2:
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        kv_head = head if groups == 1 else lax.div(head, jnp.int32(groups))
+
+        def copy(s, slot, raw_ref, core_ref, smem, ready):
+            is_raw = s < n_raw
+
+            @pl.when(is_raw)
+            def _():
+                rows = pl.ds((raw_first + s) * bk, bk)
+                plgpu.copy_gmem_to_smem(raw_ref.at[batch, rows, kv_head], smem.at[slot],
+                                        ready.at[slot])
+
+            @pl.when(jnp.logical_not(is_raw))
+            def _():
+                rows = pl.ds((core_first + s - n_raw) * bk, bk)
+                plgpu.copy_gmem_to_smem(core_ref.at[batch, rows, head], smem.at[slot],
+                                        ready.at[slot])
+
+        for s in range(stages):     # fill the ring
+            @pl.when(s < n_steps)
+            def _():
+                copy(s, s, k_ref, ck_ref, k_smem, k_ready)
+                copy(s, s, v_ref, cv_ref, v_smem, v_ready)
+
+        def refill(s, _):
+            slot = lax.rem(s, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            copy(s, slot, k_ref, ck_ref, k_smem, k_ready)
+            plgpu.barrier_wait(v_free.at[slot])
+            copy(s, slot, v_ref, cv_ref, v_smem, v_ready)
+        lax.fori_loop(jnp.int32(stages), jnp.maximum(n_steps, stages), refill, None)
+
+        def drain(s, _):
+            """Observe the consumers' release of the last steps too: every phase of the
+            release barriers is then awaited (the GPU interpreter checks that)."""
+            slot = lax.rem(s, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+        lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
+
+
+def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
+            interpret=None):
+    """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
+    `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
+    `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
+    tests of the walk, pipeline and softmax: it lacks layouts, run_state and transposed
+    wgmma operands, so there the two products are plain dots on the shared-memory tiles)."""
+    b, lp, hq, d = q.shape
+    scale = 1.0 / math.sqrt(cfg.softmax_head_dim or d)
+    wgs, stages = cfg.compute_wgs, cfg.stages
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def tiles(n, rows):
+        return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)
+    scratch = (
+        tiles(wgs, cfg.block_q),                           # Q, then O
+        tiles(stages, cfg.block_kv),                       # K ring
+        tiles(stages, cfg.block_kv),                       # V ring
+        plgpu.SMEM((wgs, 3, cfg.block_q), jnp.int32),      # per-row bounds
+        plgpu.SMEM((wgs, cfg.block_q), jnp.float32),       # log2-sum-exp
+        plgpu.Barrier(num_barriers=wgs),                   # Q landed
+        plgpu.Barrier(num_barriers=wgs),                   # bounds landed
+        plgpu.Barrier(num_barriers=stages),                # K landed
+        plgpu.Barrier(num_barriers=stages),                # V landed
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # K slot released
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # V slot released
+        plgpu.Barrier(num_arrivals=wgs),                   # consumers' wgmma schedule
+    )
+    kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
+                               interpreted=interpret is not None)
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)),
+        scratch_types=scratch,
+        grid=(hq, lp // cfg.cta_rows, b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, k, v, ck, cv, bounds, cta_visits, wg_visits)

@@ -1,0 +1,55 @@
+"""Host-side (XLA) block-visit tables of the Mosaic GPU forward, from `cca_jax.blocks`.
+
+A CTA's consumer warpgroups share one ring of key/value buffers, so they walk the same steps:
+the blocks the whole CTA's rows see (`cta` table). Each warpgroup masks what its own rows do
+not see, and skips the mask only on the blocks all its rows see fully (`wg` table). Both are
+`blocks.query_block_visits` (the one place that arithmetic lives) at two row-block sizes;
+the kernel reads a few scalars of them per CTA.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from cca_jax import blocks
+
+# Columns of `blocks.query_block_visits`: raw key blocks, then slot blocks.
+RAW_FIRST, RAW_FULL_FIRST, RAW_FULL_LAST, RAW_LAST = 0, 1, 2, 3
+CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST, CORE_LAST = 4, 5, 6, 7
+
+
+class VisitTables(NamedTuple):
+    """int32 tables: `cta` `[B, Lp / cta_rows, 8]`, `wg` `[B, Lp / block_q, 8]` (warpgroup w
+    of CTA i is row `i * compute_wgs + w`)."""
+    cta: object
+    wg: object
+
+
+def visit_tables(raw_lo, core_lo, core_hi, *, block_q: int, compute_wgs: int,
+                 block_kv: int) -> VisitTables:
+    """The tables for padded bounds `[B, Lp]` (`padding.pad_row_bounds`; Lp a multiple of
+    `block_q * compute_wgs` and of `block_kv`). Raw keys and core slots both come in blocks
+    of `block_kv` (one ring of buffers). numpy in, numpy out; else jnp."""
+    def visits(rows: int):
+        return blocks.query_block_visits(raw_lo, core_lo, core_hi, rows, block_kv, block_kv)
+    return VisitTables(cta=visits(block_q * compute_wgs), wg=visits(block_q))
+
+
+def walk_steps(cta_row, wg_rows) -> list[tuple[str, int, bool]]:
+    """The steps one CTA's warpgroups take, as the kernel derives them from one row of each
+    table (numpy, for tests): per step `(kind, block, masked_for_each_warpgroup)`; kind
+    "raw" or "core". Mirrors the kernel's walk: CTA ranges, each warpgroup unmasked only on
+    its own full range clipped into the CTA's."""
+    steps = []
+    for kind, (first, last, ff, fl) in (
+            ("raw", (RAW_FIRST, RAW_LAST, RAW_FULL_FIRST, RAW_FULL_LAST)),
+            ("core", (CORE_FIRST, CORE_LAST, CORE_FULL_FIRST, CORE_FULL_LAST))):
+        lo, hi = int(cta_row[first]), int(cta_row[last])
+        for block in range(lo, hi):
+            masked = []
+            for row in wg_rows:
+                full_first = min(max(int(row[ff]), lo), hi)
+                full_last = min(max(int(row[fl]), full_first), hi)
+                masked.append(not full_first <= block < full_last)
+            steps.append((kind, block, tuple(masked)))
+    return steps

@@ -1,0 +1,410 @@
+"""The Mosaic GPU forward (`pallas_kernels.mosaic_gpu`).
+
+On the CPU (default suite): there is no Mosaic GPU interpreter in jax 0.10, so the kernel
+itself cannot run here. What runs: cross-lowering for "cuda" (builds the Mosaic GPU module:
+catches API, shape, layout and wgmma/TMA constraint errors; not ptxas, shared memory at run
+time or numerics), the config validation, and the block walk the kernel takes, checked
+against dense visibility in Python (`tables.walk_steps` mirrors the kernel's loop bounds).
+On a Hopper GPU (`gpu` marker): outputs against the float64 references, row by row, and
+against the Triton kernels; gradients (the Triton backward fed with this forward's output
+and log2-sum-exp).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cca_jax import blocks
+from cca_jax.padding import pad_row_bounds
+from pallas_kernels.mosaic_gpu import (MosaicConfig, blocked_attention_mosaic_gpu,
+                                       mosaic_config, shared_memory_bytes, visit_tables)
+from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES
+from pallas_kernels.mosaic_gpu.tables import walk_steps
+
+S = jax.ShapeDtypeStruct
+
+
+# ---- CPU: cross-lowering ------------------------------------------------------------------
+
+def _lowered_text(dtype, d, hq, hkv, length, m, grad=False, **tiling):
+    q, kv, c = (S((2, length, h, d), jnp.dtype(dtype)) for h in (hq, hkv, hkv))
+    c = S((2, m, hq, d), jnp.dtype(dtype))
+    bounds = S((2, length), jnp.int32)
+
+    def fwd(q, k, v, ck, cv, *b):
+        return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *b, **tiling)
+    fn = fwd
+    if grad:
+        fn = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    return jax.jit(fn).trace(q, kv, kv, c, c, bounds, bounds, bounds).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype,d,hq,hkv,tiling", [
+    ("bfloat16", 128, 8, 2, {}),                                  # the default tiling, GQA
+    ("float16", 64, 4, 4, dict(compute_wgs=1, stages=3)),         # one consumer warpgroup
+])
+def test_forward_lowers_for_cuda(dtype, d, hq, hkv, tiling):
+    """L = 1000 (not a multiple of any block), m = 45 slots (not a multiple of block_kv):
+    one Mosaic GPU kernel, no Triton one."""
+    text = _lowered_text(dtype, d, hq, hkv, 1000, 45, **tiling)
+    assert text.count("mosaic_gpu_v2(") == 1
+    assert "xla.gpu.triton" not in text
+
+
+def test_gradient_lowers_for_cuda():
+    """jax.grad through it: the Mosaic forward plus the three Triton backward kernels (dq,
+    dk/dv, dck/dcv); D = 96 runs zero-padded to 128."""
+    text = _lowered_text("bfloat16", 96, 8, 2, 700, 30, grad=True)
+    assert text.count("mosaic_gpu_v2(") == 1
+    assert text.count("xla.gpu.triton") == 3
+
+
+# ---- CPU: configuration ---------------------------------------------------------------------
+
+def test_config_defaults_fit_shared_memory():
+    cfg = mosaic_config()
+    assert cfg == MosaicConfig() and cfg.cta_rows == 128 and cfg.row_multiple == 128
+    for d in (64, 128):
+        assert shared_memory_bytes(cfg, d) <= SMEM_LIMIT_BYTES
+    assert mosaic_config(block_kv=None) == MosaicConfig()   # None: the default
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q=32), "block_q must be one of"),
+    (dict(block_kv=96), "block_kv must be one of"),
+    (dict(stages=1), "stages must be an int from 2 to 8"),
+    (dict(stages=True), "stages must be an int"),
+    (dict(compute_wgs=3), "compute_wgs must be one of"),
+    (dict(schedule_barrier=1), "schedule_barrier must be a bool"),
+    (dict(heavy_first="yes"), "heavy_first must be a bool"),
+    (dict(block_qq=64), "unknown Mosaic GPU kernel setting 'block_qq'"),
+    (dict(softmax_head_dim=80), "unknown Mosaic GPU kernel setting"),   # set by the padding
+])
+def test_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic_config(**fields)
+
+
+def _small_inputs(dtype=jnp.bfloat16, d=128, length=40, m=3):
+    q = jnp.zeros((1, length, 2, d), dtype)
+    kv = jnp.zeros((1, length, 1, d), dtype)
+    c = jnp.zeros((1, m, 2, d), dtype)
+    zeros = jnp.zeros((1, length), jnp.int32)
+    return q, kv, kv, c, c, zeros, zeros, zeros
+
+
+def test_input_errors():
+    args = _small_inputs()
+    with pytest.raises(ValueError, match="shared memory.*lower stages or block_kv"):
+        blocked_attention_mosaic_gpu(*args, stages=4)     # 4 x 2 x 32 KiB K/V + Q > 227 KiB
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        blocked_attention_mosaic_gpu(*_small_inputs(jnp.float32))
+    with pytest.raises(ValueError, match="head_dim up to 128"):
+        blocked_attention_mosaic_gpu(*_small_inputs(d=160))
+    q, k, v, ck, cv, *b = args
+    with pytest.raises(ValueError, match=r"\[B, L\]"):
+        blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
+
+
+# ---- CPU: the block walk against dense visibility -------------------------------------------
+
+def _segments(b, length, seed):
+    rng = np.random.default_rng(seed)
+    cuts = [np.sort(rng.choice(np.arange(1, length), 2, replace=False)) for _ in range(b)]
+    return np.stack([np.searchsorted(c, np.arange(length), side="right")
+                     for c in cuts]).astype(np.int32)
+
+
+PATTERNS = {
+    "full": blocks.Full(),
+    "sliding": blocks.Sliding(37),
+    "streaming": blocks.Streaming(37, 4),
+    "cca": blocks.CCA(4, 37),
+    "cca_sinks": blocks.CCA(5, 41, 3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _row_bounds(name: str, packed: bool, b: int, length: int):
+    """numpy `[B, L]` raw_lo, core_lo, core_hi of a pattern (three documents a row if packed)."""
+    seg = _segments(b, length, 5) if packed else None
+    ranges = jax.jit(blocks.pattern_ranges, static_argnums=(0, 1))(PATTERNS[name], length, seg)
+    return [np.broadcast_to(np.asarray(x), (b, length)) for x in
+            (ranges.raw_lo, ranges.core_lo, ranges.core_hi)]
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("block_q,wgs,block_kv", [(8, 2, 16), (16, 1, 8)])
+def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packed, block_q,
+                                                                     wgs, block_kv):
+    """For every CTA and warpgroup, the steps the kernel takes (`walk_steps`, from the
+    tables): every (row, key) or (row, slot) pair a row sees lies in a visited block, and a
+    step left unmasked for a warpgroup is seen whole by each of its rows. Small blocks stand
+    in for the kernel's (the arithmetic is the same at any size)."""
+    b, length = 2, 150
+    bounds = _row_bounds(name, packed, b, length)
+    cfg_rows = block_q * wgs
+    lp = -(-length // max(cfg_rows, block_kv)) * max(cfg_rows, block_kv)
+    rlo, clo, chi = (np.asarray(x) for x in pad_row_bounds(*bounds, lp))
+    tables = visit_tables(rlo, clo, chi, block_q=block_q, compute_wgs=wgs, block_kv=block_kv)
+    assert tables.cta.shape == (b, lp // cfg_rows, 8) and tables.wg.shape == (b, lp // block_q, 8)
+    slots = int(chi.max()) + block_kv
+    for z in range(b):
+        for tile in range(lp // cfg_rows):
+            steps = walk_steps(tables.cta[z, tile], tables.wg[z, tile * wgs:(tile + 1) * wgs])
+            assert len(steps) >= 1
+            for w in range(wgs):
+                rows = tile * cfg_rows + w * block_q + np.arange(block_q)
+                keys = np.arange(lp)
+                raw = (keys[None] >= rlo[z, rows, None]) & (keys[None] <= rows[:, None])
+                slot_ids = np.arange(slots)
+                core = ((slot_ids[None] >= clo[z, rows, None])
+                        & (slot_ids[None] < chi[z, rows, None]))
+                covered = {"raw": np.zeros_like(raw), "core": np.zeros_like(core)}
+                for kind, block, masked in steps:
+                    cols = slice(block * block_kv, (block + 1) * block_kv)
+                    covered[kind][:, cols] = True
+                    if not masked[w]:
+                        seen = raw if kind == "raw" else core
+                        assert seen[:, cols].all(), (z, tile, w, kind, block)
+                assert not (raw & ~covered["raw"]).any(), (z, tile, w)
+                assert not (core & ~covered["core"]).any(), (z, tile, w)
+            kinds = [kind for kind, _, _ in steps]
+            assert kinds == sorted(kinds, key=["raw", "core"].index)   # raw blocks first
+
+
+@pytest.mark.slow   # about 40 s: three Triton kernels in interpret mode
+def test_triton_backward_takes_this_forwards_log2_sum_exp():
+    """The gradient path: `cca_backward` fed with an output and a log2-sum-exp made outside
+    the Triton forward (here in XLA, with the Mosaic forward's convention and its own row
+    padding, garbage past L) equals the Triton kernels' own VJP (interpret mode, small
+    tiles). This is the contract the Mosaic forward's custom_vjp relies on."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.gpu import cca_core_attention, kernel_config
+    from pallas_kernels.gpu.kernels import cca_backward
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    b, length, hq, hkv, d = 1, 40, 2, 1, 64
+    q = jax.random.normal(ks[0], (b, length, hq, d))
+    k, v = (jax.random.normal(x, (b, length, hkv, d)) for x in ks[1:3])
+    dout = jax.random.normal(ks[3], q.shape)
+    ck, cv, rlo, clo, chi = slots_and_bounds(q, k, v, blocks.CCA(4, 9))
+    cfg = kernel_config(interpret=True, block_q=16, block_k=16, dq_block_q=16, dq_block_k=16,
+                        dkv_block_k=16, dkv_block_q=16, dc_block_k=16, dc_block_q=16)
+    # Dense forward with the Mosaic kernel's lse convention: log2 sum exp2(s * scale * log2 e).
+    t = jnp.arange(length)
+    kk, vv = jnp.repeat(k, hq // hkv, axis=2), jnp.repeat(v, hq // hkv, axis=2)
+    keys = jnp.concatenate([ck, kk], axis=1)
+    vals = jnp.concatenate([cv, vv], axis=1)
+    slot = jnp.arange(ck.shape[1])
+    core = (slot[None, None] >= clo[..., None]) & (slot[None, None] < chi[..., None])
+    raw = (t[None, None] >= rlo[..., None]) & (t[None, None] <= t[None, :, None])
+    seen = jnp.concatenate([core, raw], axis=-1)                             # [B, L, m + L]
+    s = jnp.einsum("bthd,buhd->bhtu", q, keys) / np.sqrt(d)
+    s = jnp.where(seen[:, None], s, -jnp.inf)
+    out = jnp.einsum("bhtu,buhd->bthd", jax.nn.softmax(s, axis=-1), vals)
+    lse = jax.nn.logsumexp(s, axis=-1) / np.log(2.0)                         # [B, Hq, L]
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, 88)), constant_values=1e30)    # another padding
+    got = cca_backward(q, k, v, ck, cv, rlo, clo, chi, out, lse, dout, cfg)
+    _, vjp = jax.vjp(lambda *x: cca_core_attention(*x, rlo, clo, chi, cfg), q, k, v, ck, cv)
+    for name, g, w in zip(("dq", "dk", "dv", "dck", "dcv"), got, vjp(dout)):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+# ---- on a Hopper GPU ----------------------------------------------------------------------
+
+def _hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return float(cc) >= 9.0
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+
+# Largest per-row error (`tests/row_errors.py`) against float64: bf16 as the Triton kernels'
+# GPU test (tests/test_pallas_gpu.py GPU_ROW_TOL); float16 has 3 more mantissa bits, x1/3
+# margin kept. Not yet measured for this kernel: the first GPU run prints the errors.
+ROW_TOL = {"bfloat16": dict(out=6e-3, grad=2.5e-2), "float16": dict(out=3e-3, grad=1.2e-2)}
+
+
+def _inputs(b, length, hq, hkv, d, dtype, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, length, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, length, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, length, hkv, d), jnp.float32).astype(dtype)
+    ct = jax.random.normal(ks[3], q.shape, jnp.float32)
+    return q, k, v, ct
+
+
+def _option_reference(q, k, v, name, pattern, seg):
+    from tests.reference import cca_reference
+    from tests.test_options import option_reference
+    seg = None if seg is None else np.asarray(seg)
+    if name == "cca":
+        return cca_reference(q, k, v, pattern.group_size, pattern.window_size,
+                             segment_ids=seg)
+    return option_reference(*(np.asarray(x, np.float32) for x in (q, k, v)), name, seg,
+                            w=pattern.window_size, n=pattern.sink_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _run(pattern, impl: str, tiling: tuple = (), grad: bool = False):
+    """jit of (q, k, v, ct, seg) -> out, or (out, q/k/v gradients of sum(out * ct)) when
+    `grad`, through `slots_and_bounds` and the Mosaic ("mosaic") or Triton ("triton")
+    kernels."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.gpu import blocked_attention_pallas_gpu
+    entry = {"mosaic": blocked_attention_mosaic_gpu, "triton": blocked_attention_pallas_gpu}[impl]
+
+    def attention(q, k, v, seg):
+        ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
+        return entry(q, k, v, ck, cv, *bounds, **dict(tiling))
+
+    def run(q, k, v, ct, seg):
+        if not grad:
+            return attention(q, k, v, seg)
+
+        def loss(q, k, v):
+            out = attention(q, k, v, seg)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+    return jax.jit(run)
+
+
+GPU_OPTIONS = {
+    "full": blocks.Full(),
+    "sliding": blocks.Sliding(300),
+    "streaming": blocks.Streaming(300, 4),
+    "cca": blocks.CCA(16, 100),       # s not a multiple of g
+}
+# (dtype, D, Hq, Hkv): bf16 GQA at the model's D; float16 at D = 64 with G = 4.
+GPU_SHAPES = [("bfloat16", 128, 4, 2), ("float16", 64, 4, 1)]
+
+
+def _gpu_case(dtype, d, hq, hkv, name, packed):
+    b, length = 2, 1000     # ragged: no multiple of any block
+    q, k, v, ct = _inputs(b, length, hq, hkv, d, jnp.dtype(dtype), seed=len(name) + d)
+    seg = jnp.asarray(_segments(b, length, 7)) if packed else None
+    return q, k, v, ct, seg
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_SHAPES + [("bfloat16", 96, 2, 2)])
+@pytest.mark.parametrize("name", sorted(GPU_OPTIONS))
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_forward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed):
+    """Every option through `slots_and_bounds`, ragged L = 1000, GQA, packed rows (D = 96:
+    zero-padded to 128, CCA only): the output against float64 row by row, and against the
+    Triton kernels' output."""
+    if d == 96 and name != "cca":
+        pytest.skip("D = 96 (padding) is checked on CCA only")
+    from tests.row_errors import row_max_error
+    pattern = GPU_OPTIONS[name]
+    q, k, v, ct, seg = _gpu_case(dtype, d, hq, hkv, name, packed)
+    out = _run(pattern, "mosaic")(q, k, v, ct, seg)
+    assert out.dtype == q.dtype and np.all(np.isfinite(np.asarray(out, np.float32)))
+    tol = ROW_TOL[dtype]
+    err = row_max_error(out, _option_reference(q, k, v, name, pattern, seg))
+    vs_triton = row_max_error(out, _run(pattern, "triton")(q, k, v, ct, seg))
+    print(f"{name} {dtype} D={d} packed={packed}: row error vs float64 {err:.2e}, "
+          f"vs Triton {vs_triton:.2e}")
+    assert err < tol["out"], err
+    assert vs_triton < tol["out"], vs_triton
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype,d,hq,hkv,name,packed", [
+    ("bfloat16", 128, 4, 2, "cca", True), ("float16", 64, 4, 1, "streaming", False),
+    ("bfloat16", 96, 2, 2, "sliding", True)])
+def test_gpu_gradients_match_triton(dtype, d, hq, hkv, name, packed):
+    """q/k/v gradients (the Triton backward fed with this forward's output and
+    log2-sum-exp) against the Triton kernels' forward + backward, row by row."""
+    from tests.row_errors import row_max_error
+    pattern = GPU_OPTIONS[name]
+    q, k, v, ct, seg = _gpu_case(dtype, d, hq, hkv, name, packed)
+    _, grads = _run(pattern, "mosaic", grad=True)(q, k, v, ct, seg)
+    _, want = _run(pattern, "triton", grad=True)(q, k, v, ct, seg)
+    for dname, got, ref in zip("qkv", grads, want):
+        assert np.all(np.isfinite(np.asarray(got, np.float32))), dname
+        err = row_max_error(got, ref)
+        print(f"{name} {dtype} D={d}: d{dname} row error vs the Triton kernels' {err:.2e}")
+        assert err < ROW_TOL[dtype]["grad"], (dname, err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("tiling", [
+    dict(compute_wgs=1), dict(schedule_barrier=False, heavy_first=False),
+    dict(block_kv=64, stages=4), dict(stages=3, block_kv=64, compute_wgs=1)])
+def test_gpu_every_tiling_matches_float64(tiling):
+    """The config's other settings (one consumer warpgroup, no schedule barrier, plain
+    launch order, narrow key blocks with a deeper ring) on packed CCA."""
+    from tests.reference import cca_reference
+    from tests.row_errors import row_max_error
+    pattern = blocks.CCA(16, 100)
+    q, k, v, ct = _inputs(1, 777, 4, 2, 128, jnp.bfloat16, seed=3)
+    seg = jnp.asarray(_segments(1, 777, 11))
+    out = _run(pattern, "mosaic", tuple(sorted(tiling.items())))(q, k, v, ct, seg)
+    err = row_max_error(out, cca_reference(q, k, v, 16, 100, segment_ids=np.asarray(seg)))
+    print(f"{tiling}: out row error vs float64 {err:.2e}")
+    assert err < ROW_TOL["bfloat16"]["out"], err
+
+
+
+# ---- CPU, slow: the kernel itself under jax's GPU interpreter --------------------------------
+
+@pytest.mark.slow   # 40-60 s each: the interpreter simulates every warpgroup, barrier and copy
+@pytest.mark.parametrize("tiling,packed", [
+    (dict(compute_wgs=1), False),
+    (dict(compute_wgs=2, block_kv=64), True),      # FA3 ping-pong, more steps than stages
+])
+def test_interpreted_kernel_matches_float64(tiling, packed):
+    """The whole kernel (tables, TMA ring, barriers, warpgroup walk, edge masks, one online
+    softmax) in the GPU interpreter, against float64, GQA, ragged L. Its two matrix products
+    are plain dots there (no transposed wgmma operand, no run_state in the interpreter)."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from tests.reference import cca_reference
+    from tests.row_errors import row_max_error
+    length = 150
+    q, k, v, _ = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=1)
+    seg = jnp.asarray(_segments(1, length, 2)) if packed else None
+    ck, cv, *bounds = slots_and_bounds(q, k, v, blocks.CCA(4, 37), segment_ids=seg)
+    out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, interpret=True, **tiling)
+    ref = cca_reference(q, k, v, 4, 37, segment_ids=None if seg is None else np.asarray(seg))
+    err = row_max_error(out, ref)
+    assert err < ROW_TOL["bfloat16"]["out"], err     # measured 1.3e-3 and 1.5e-3
+
+
+@pytest.mark.slow   # about 2 minutes: the interpreted forward, then Triton's interpreted backward
+def test_interpreted_gradients_match_the_triton_kernels():
+    """jax.grad through `blocked_attention_mosaic_gpu` (interpreted forward, the Triton
+    backward fed with its output and log2-sum-exp) against the Triton kernels' own forward
+    and backward: q/k/v gradients agree row by row within bf16 rounding (measured dq 1.9e-3,
+    dk 1.7e-3, dv 0)."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.gpu import blocked_attention_pallas_gpu
+    from tests.row_errors import row_max_error
+    q, k, v, ct = _inputs(1, 100, 2, 1, 64, jnp.bfloat16, seed=0)
+    small = dict(block_q=16, block_k=16, dq_block_q=16, dq_block_k=16, dkv_block_k=16,
+                 dkv_block_q=16, dc_block_k=16, dc_block_q=16)
+
+    def grads(entry, **kw):
+        def loss(q, k, v):
+            ck, cv, *bounds = slots_and_bounds(q, k, v, blocks.CCA(4, 21))
+            return jnp.sum(entry(q, k, v, ck, cv, *bounds, **kw).astype(jnp.float32) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = grads(blocked_attention_mosaic_gpu, interpret=True, compute_wgs=1,
+                backward_tiling=small)
+    want = grads(blocked_attention_pallas_gpu, interpret=True, **small)
+    for name, g, w in zip("qkv", got, want):
+        assert row_max_error(g, w) < ROW_TOL["bfloat16"]["grad"], (name, row_max_error(g, w))
