@@ -73,7 +73,7 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# Six (two) minutes alone on 2 CPU cores (2026-12-04), pushing the default run past 15:
+# Six (two) minutes alone on 2 CPU cores (2026-12-04), pushing the default run past 15 minutes:
 # out of the default run until it is made faster (`pytest -m slow` runs it).
 @pytest.mark.slow
 def test_ctrl_c_and_kills_at_points_the_test_picks(tmp_path):

@@ -76,7 +76,7 @@ def _hf_logits(hf: Path) -> np.ndarray:
         return model(ids).logits.numpy()
 
 
-# Six (two) minutes alone on 2 CPU cores (2026-12-04), pushing the default run past 15:
+# Six (two) minutes alone on 2 CPU cores (2026-12-04), pushing the default run past 15 minutes:
 # out of the default run until it is made faster (`pytest -m slow` runs it).
 @pytest.mark.slow
 def test_two_processes_finish_export_and_resume(tmp_path):
