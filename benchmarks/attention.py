@@ -1,6 +1,6 @@
 """Attention benchmark: CCA implementations against causal full attention, one run.
 
-    python benchmarks/attention.py [--impls cca_pallas_gpu,cca_xla,full_cudnn]
+    python benchmarks/attention.py [--impls cca_mosaic_gpu,cca_pallas_gpu,cca_xla,full_cudnn]
         [--lengths 8192,32768,131072] [--hkv 32,8] [--out benchmarks/results/attention_h200]
 
 For every (L, Hkv) and implementation: forward and forward+backward milliseconds (median of
@@ -49,7 +49,7 @@ def _full_cudnn(q, k, v, g, s, n):
 
 
 IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca_pallas_gpu,
-         "full_cudnn": _full_cudnn}
+         "cca_mosaic_gpu": _cca("mosaic_gpu"), "full_cudnn": _full_cudnn}
 
 
 def _memory_bytes(compiled) -> int | None:

@@ -60,3 +60,31 @@ def test_prefill_and_decode_entries():
     assert decode("auto", PAPER, d=64, platform="tpu") == "xla"   # 128 lanes on a TPU
     assert decode("auto", PAPER, d=128, platform="tpu") == "pallas_tpu"
     assert decode("pallas_tpu", PAPER, d=64, platform="cpu") == "pallas_tpu"   # interpreter
+
+
+def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
+    """bf16/fp16 on sm_90+: the Mosaic GPU forward; float32, sm_80 or no GPU: the Triton
+    kernels; the decode step: the Triton decode kernel either way."""
+    from cca_jax.attention import pallas_mosaic_gpu
+    mosaic = BACKENDS["mosaic_gpu"]
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
+    assert resolve("auto", PAPER, platform="gpu").name == "mosaic_gpu"
+    assert resolve("auto", Streaming(8), platform="gpu", packed=True).name == "mosaic_gpu"
+    assert resolve("auto", PAPER, platform="gpu", dtype="float32").name == "pallas_gpu"
+    assert "float32" in mosaic.supports(PAPER, "gpu", "float32", 128, False)
+    assert resolve("auto", PAPER, platform="gpu", head_dim=96).name == "mosaic_gpu"   # padded
+    assert "head_dim" in mosaic.supports(PAPER, "gpu", "bfloat16", 160, False)
+    assert resolve("auto", Full(), platform="gpu").name == "cudnn"
+    assert blocked_backend("auto", Full(), head_dim=128, dtype="bfloat16",
+                           platform="gpu").name == "mosaic_gpu"
+    assert decode_backend("auto", PAPER, head_dim=128, dtype="bfloat16",
+                          platform="gpu").name == "mosaic_gpu"
+    assert decode_backend("auto", PAPER, head_dim=96, dtype="bfloat16",
+                          platform="gpu").name == "xla"
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 8.0)
+    assert "sm_8" in mosaic.supports(PAPER, "gpu", "bfloat16", 128, False)
+    assert resolve("auto", PAPER, platform="gpu").name == "pallas_gpu"
+    with pytest.raises(ValueError, match="Hopper.*implementation='auto'"):
+        resolve("mosaic_gpu", PAPER, platform="gpu")
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: None)
+    assert "no GPU" in mosaic.supports(PAPER, "gpu", "bfloat16", 128, False)

@@ -64,7 +64,8 @@ def test_attention_imports_point_down_and_only_kernels_lazily():
 
 def test_one_registry_of_backends():
     from cca_jax.attention.backends import BACKENDS
-    assert set(BACKENDS) == {"naive", "xla", "cudnn", "pallas_gpu", "pallas_tpu"}
+    assert set(BACKENDS) == {"naive", "xla", "cudnn", "mosaic_gpu", "pallas_gpu",
+                             "pallas_tpu"}
     for path in sorted((ROOT / "cca_jax").rglob("*.py")):
         text = path.read_text()
         for old in ("BLOCKED_IMPLEMENTATIONS", "DECODE_IMPLEMENTATIONS", "IMPLEMENTATIONS ="):

@@ -1,0 +1,87 @@
+"""The Mosaic GPU backend (Hopper): slots and bounds prepared here, then the warp-specialised
+forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator).
+
+Its gradient and its decode step are still the Triton-lowered kernels' (`pallas_gpu`); the
+forward is the part that runs at the card's speed (benchmarks/results/research/
+mosaic_gpu_cca_h200.md). `auto` picks it before `pallas_gpu` on sm_90+ GPUs for bfloat16 and
+float16; float32, older GPUs and head dims above 128 go to `pallas_gpu` or `xla`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cca_jax.attention.backend import Backend
+from cca_jax.attention.pallas_gpu import PALLAS_GPU
+from cca_jax.attention.pooling import slots_and_bounds
+from cca_jax.blocks import AttentionPattern
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MIN_CAPABILITY = 9.0   # wgmma and TMA: sm_90 (Hopper) and later
+
+
+def gpu_capability() -> float | None:
+    """The compute capability of this process's first GPU (e.g. 9.0), or None without one."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    capability = getattr(devices[0], "compute_capability", None) if devices else None
+    return float(capability) if capability else None
+
+
+def _interpret_default(interpret):
+    return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "cca",
+                         segment_ids=None, interpret=None, **tiling):
+    """Attention under `pattern` through the Mosaic GPU forward; the result of
+    `run_attention`. `tiling`: `pallas_kernels.mosaic_gpu.mosaic_config` field overrides
+    (plus `backward_tiling=`, the Triton backward's). interpret defaults to True on the CPU
+    backend (jax's GPU interpreter: tiny shapes only)."""
+    from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
+                                       segment_ids=segment_ids)
+    return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds,
+                                        interpret=_interpret_default(interpret), **tiling)
+
+
+class MosaicGpuBackend(Backend):
+    """Every option, packed or not; bfloat16 and float16; head_dim up to 128 (64 and 128
+    native, others zero-padded); an sm_90+ GPU when compiled."""
+
+    def _refuses(self, option, platform, dtype, head_dim, packed, entry):
+        if entry == "decode":   # the Triton decode kernel, until the Mosaic one lands
+            return PALLAS_GPU.supports(option, platform, dtype, head_dim, packed, entry)
+        if dtype not in _DTYPES:
+            return f"it takes bfloat16 or float16, not {dtype.name}; 'pallas_gpu' takes it"
+        from pallas_kernels.mosaic_gpu import HEAD_DIMS, padded_head_dim
+        if padded_head_dim(head_dim) is None:
+            return f"it supports head_dim up to {HEAD_DIMS[-1]}, not {head_dim}"
+        if platform == "gpu":
+            capability = gpu_capability()
+            if capability is None:
+                return "it needs a Hopper (sm_90+) GPU and this process has no GPU"
+            if capability < _MIN_CAPABILITY:
+                return (f"it needs a Hopper (sm_90+) GPU, this one is sm_{capability:g}; "
+                        "'pallas_gpu' runs there")
+        return None
+
+    def _attention(self, q, k, v, pattern, *, pooling, segment_ids):
+        return attention_mosaic_gpu(q, k, v, pattern, pooling=pooling, segment_ids=segment_ids)
+
+    def _blocked(self, q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window):
+        from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
+        return blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi,
+                                            interpret=_interpret_default(None))
+
+    def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
+        return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
+
+
+MOSAIC_GPU = MosaicGpuBackend("mosaic_gpu", ("gpu",),
+                              "Hopper GPUs (or jax's GPU interpreter on CPU)",
+                              frozenset({"attention", "blocked", "decode"}),
+                              interprets_on_cpu=True)
