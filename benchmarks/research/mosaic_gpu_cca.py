@@ -45,6 +45,16 @@ def _kernels(mosaic_tilings: list) -> dict:
     return kernels
 
 
+def _pooled_kernels(pattern) -> dict:
+    """name -> the whole backend call (pooling, bounds and tables inside the program), fed
+    the same inputs: shows what the set-up around each kernel costs."""
+    from cca_jax.attention.pallas_gpu import attention_pallas_gpu
+    from cca_jax.attention.pallas_mosaic_gpu import attention_mosaic_gpu
+    return {f"{name}+pooling": (lambda fn: lambda q, k, v, *_: fn(q, k, v, pattern))(fn)
+            for name, fn in (("mosaic_gpu", attention_mosaic_gpu),
+                             ("triton", attention_pallas_gpu))}
+
+
 def _prepared(length: int, hq: int, hkv: int, d: int, pattern):
     """bf16 q, k, v and their slots and bounds (computed once, outside the timing)."""
     keys = jax.random.split(jax.random.key(length + hkv), 3)
@@ -80,10 +90,14 @@ def main(argv=None):
     ap.add_argument("--mosaic-tilings", default="[{}]",
                     help='JSON list of MosaicConfig overrides, each timed, e.g. '
                          '\'[{}, {"compute_wgs": 1}, {"block_kv": 64, "stages": 4}]\'')
+    ap.add_argument("--with-pooling", action="store_true",
+                    help="also time the whole backend calls (pooling and set-up inside)")
     ap.add_argument("--out", default="benchmarks/results/research/mosaic_gpu_cca_h200")
     args = ap.parse_args(argv)
     pattern = CCA(args.g, args.s)
     kernels = _kernels(json.loads(args.mosaic_tilings))
+    if args.with_pooling:
+        kernels.update(_pooled_kernels(pattern))
     base = stamp(argv)
     records, calls, outputs = [], {}, {}
     for length in map(int, args.lengths.split(",")):
