@@ -1,5 +1,5 @@
 """What the inference command lines share (`python -m cca_jax.generate`, `python -m
-cca_jax.eval`): the usage error, the checkpoint argument and the model flags."""
+cca_jax.eval`, `python -m cca_jax.serve`): the usage error, the checkpoint argument and the model flags."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def check_checkpoint(ckpt) -> Path:
         raise UsageError(f"{e} Is --ckpt a converted checkpoint "
                          "(python -m convert.hf_to_flax) or a train/ export?") from None
     return path
+
+
+def add_checkpoint_arg(ap: argparse.ArgumentParser) -> None:
+    """`--ckpt DIR`, required by every inference CLI (generate, eval, serve)."""
+    ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
+                    "directory (convert.hf_to_flax output, or a train.finetune export such as "
+                    "OUT/final) with its tokenizer (required)")
 
 
 ATTENTION_FLAGS = ("attention", "group_size", "window_size", "sink_tokens")

@@ -17,13 +17,11 @@ import argparse
 import sys
 
 from cca_jax.eval import common
-from cca_jax.cli import UsageError, add_model_args, enable_compile_cache
+from cca_jax.cli import UsageError, add_checkpoint_arg, add_model_args, enable_compile_cache
 
 
 def _shared(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
-                    "directory (convert.hf_to_flax output or a train.finetune export), with "
-                    "its tokenizer (required)")
+    add_checkpoint_arg(ap)
     add_model_args(ap)
     ap.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
                     help="the model's context limit, raised to evaluate longer prompts "

@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cca_jax.cli import (UsageError, add_model_args, attention_overrides, check_checkpoint,
-                         enable_compile_cache, mesh_from_args)
+from cca_jax.cli import (UsageError, add_checkpoint_arg, add_model_args, attention_overrides,
+                         check_checkpoint, enable_compile_cache, mesh_from_args)
 from cca_jax.generate import LENGTH_BUCKET, GenerationStats, stream_generate
 from cca_jax.prefill import DEFAULT_CHUNK_SIZE
 from cca_jax.sampling import check_sampling
@@ -34,9 +34,7 @@ def _size(n: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cca_jax.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
-                    "directory (convert.hf_to_flax output, or a train.finetune export such as "
-                    "OUT/final) with its tokenizer (required)")
+    add_checkpoint_arg(ap)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (required: this or "
                      "--prompt-file)")

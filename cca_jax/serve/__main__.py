@@ -18,8 +18,8 @@ import logging
 import signal
 import sys
 
-from cca_jax.cli import (UsageError, add_model_args, attention_overrides, check_checkpoint,
-                         enable_compile_cache, mesh_from_args)
+from cca_jax.cli import (UsageError, add_checkpoint_arg, add_model_args, attention_overrides,
+                         check_checkpoint, enable_compile_cache, mesh_from_args)
 from cca_jax.serve.engine import EngineConfig
 
 DEFAULTS = EngineConfig()
@@ -28,9 +28,7 @@ DEFAULTS = EngineConfig()
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cca_jax.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, metavar="DIR", help="converted checkpoint "
-                    "directory (convert.hf_to_flax output, or a train.finetune export) with "
-                    "its tokenizer (required)")
+    add_checkpoint_arg(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                     "127.0.0.1, this machine only; 0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
