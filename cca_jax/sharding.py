@@ -137,9 +137,9 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence | None =
 
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int],
                  mesh: Mesh | AbstractMesh) -> PartitionSpec:
-    """PartitionSpec of an array with logical `axes` (on a mesh or an abstract mesh). A mesh axis that does not divide its
-    dimension (or is already used) is dropped for that dimension: replication is always
-    correct, only less sharded."""
+    """PartitionSpec of an array with logical `axes` on `mesh` (concrete or abstract). A mesh
+    axis that does not divide its dimension (or is already used) is dropped for that
+    dimension: replication is always correct, only less sharded."""
     used: set[str] = set()
     spec = []
     for name, size in zip(axes, shape):

@@ -15,6 +15,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -123,3 +124,18 @@ def test_constrain_names_the_fix():
         other = jax.sharding.Mesh(jax.devices()[:2], ("x",))
         with mesh_context(other), pytest.raises(ValueError, match="make_mesh"):
             jax.jit(lambda x: constrain(x, "hidden")).lower(x)
+
+
+@needs_4
+def test_perplexity_over_a_mesh_equals_one_device():
+    """`perplexity(..., mesh=)`: parameters over the mesh, the forward under it (constraints
+    in), the one-device result."""
+    from cca_jax.eval.ppl import perplexity
+
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 150)
+    kw = dict(seq_len=L, stride=16, batch_size=4, chunk=16, progress=False)
+    plain = perplexity(LlamaForCausalLM(CFG, rngs=nnx.Rngs(0)), ids, **kw)
+    sharded = perplexity(LlamaForCausalLM(CFG, rngs=nnx.Rngs(0)), ids,
+                         mesh=_mesh({"data": 2, "tensor": 2}), **kw)
+    assert sharded.scored_tokens == plain.scored_tokens
+    np.testing.assert_allclose(sharded.mean_nll, plain.mean_nll, rtol=1e-6)
