@@ -11,6 +11,10 @@ and logits are float32.
 model sets) is handed to every attention call: with it, cca / sliding / streaming run with
 the sequence split over a mesh axis (halos and gathered slots), and with its "zigzag" layout
 the model's inputs and outputs are in that row order (positions default to it).
+
+Under a mesh set with `jax.set_mesh` (`sharding.mesh_context`), the embeddings, each layer's
+output, q / k / v and the logits are pinned to `sharding.ACTIVATION_AXES` (`sharding.constrain`);
+without one nothing is added.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from flax import nnx
 from cca_jax.attention import SequenceSharding, run_attention
 from cca_jax.config import REMAT_POLICIES, LlamaConfig
 from cca_jax.rope import apply_rope, rope_cos_sin
+from cca_jax.sharding import constrain
 
 
 def _init(std: float = 0.02):
@@ -68,9 +73,12 @@ class Attention(nnx.Module):
         """q `[B, n, Hq, D]`, k and v `[B, n, Hkv, D]` of `x` `[B, n, hidden]`, RoPE on q, k."""
         cfg = self.cfg
         b, length, _ = x.shape
-        q = self.q_proj(x).reshape(b, length, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim)
+        q = constrain(self.q_proj(x).reshape(b, length, cfg.num_attention_heads, cfg.head_dim),
+                      "q")
+        k = constrain(self.k_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim),
+                      "kv")
+        v = constrain(self.v_proj(x).reshape(b, length, cfg.num_key_value_heads, cfg.head_dim),
+                      "kv")
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def output(self, out):
@@ -126,7 +134,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, segment_ids, sequence_sharding=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, sequence_sharding)
-        return self._feed_forward(x)
+        return constrain(self._feed_forward(x), "hidden")
 
     def decode(self, x, cos, sin, core, rows=None):
         """The layer with `core` as its cached attention (`Attention.decode`). `rows` (int
@@ -135,7 +143,7 @@ class DecoderLayer(nnx.Module):
         out, carry = self.self_attn.decode(self.input_layernorm(x), cos, sin, core)
         if rows is not None:
             x = jnp.take_along_axis(x, rows[:, None, None], axis=1)
-        return self._feed_forward(x + out), carry
+        return constrain(self._feed_forward(x + out), "hidden"), carry
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -244,7 +252,7 @@ class LlamaForCausalLM(nnx.Module):
     def embed(self, input_ids):
         """Token embeddings `[B, L, hidden]` in `dtype`."""
         with jax.named_scope("embed"):
-            return self.embed_tokens(input_ids)
+            return constrain(self.embed_tokens(input_ids), "hidden")
 
     def output_weight(self):
         """The `[hidden, vocab]` output projection (the embedding's transpose when tied)."""
@@ -253,9 +261,10 @@ class LlamaForCausalLM(nnx.Module):
         return self.lm_head.kernel[...]
 
     def logits(self, hidden):
-        """float32 logits from hidden states."""
+        """float32 logits from hidden states `[B, L, hidden]` or `[B, hidden]`."""
         weight = self.output_weight()
-        return jnp.dot(hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.dot(hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, "logits" if logits.ndim == 3 else "last_logits")
 
     def __call__(self, input_ids, segment_ids=None, positions=None, *, last_only: bool = False):
         """Logits `[B, L, V]`, or `[B, 1, V]` for the last position when `last_only`."""

@@ -8,19 +8,25 @@ name in the tree (the same names in params, gradients and optimizer moments), so
 shards all three. Activations have theirs in `ACTIVATION_AXES`, the KV cache's arrays in
 `CACHE_AXES`.
 
+The model pins its activations to the table at layer boundaries (`constrain`: embeddings,
+each layer's output, q / k / v, logits) whenever it is traced under a mesh set with
+`jax.set_mesh` (`mesh_context`), as the trainer and generation do; without one (a single
+device, tests) it adds nothing.
+
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer
 state sharded), `tensor` (heads / MLP columns), `sequence` (activations along the sequence).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 
@@ -51,6 +57,7 @@ ACTIVATION_AXES: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "q": ("batch", "seq", "q_heads", "head_dim"),
     "kv": ("batch", "seq", "kv_heads", "head_dim"),
     "logits": ("batch", "seq", "vocab"),
+    "last_logits": ("batch", "vocab"),   # one position per row (prefill's last, decode steps)
 })
 
 # KVCache field -> logical axes (`cca_jax.kv_cache.KVCache`: k, v `[L, B, R, Hkv, D]`,
@@ -128,10 +135,11 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence | None =
     return Mesh(grid, MESH_AXES)
 
 
-def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
-    """PartitionSpec of an array with logical `axes`. A mesh axis that does not divide its
-    dimension (or is already used) is dropped for that dimension: replication is always
-    correct, only less sharded."""
+def logical_spec(axes: Sequence[str | None], shape: Sequence[int],
+                 mesh: Mesh | AbstractMesh) -> PartitionSpec:
+    """PartitionSpec of an array with logical `axes` on `mesh` (concrete or abstract). A mesh
+    axis that does not divide its dimension (or is already used) is dropped for that
+    dimension: replication is always correct, only less sharded."""
     used: set[str] = set()
     spec = []
     for name, size in zip(axes, shape):
@@ -146,6 +154,37 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -
         used.update(chosen)
         spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, name: str) -> jax.Array:
+    """`x` pinned to the sharding of activation `name` (an `ACTIVATION_AXES` key) on the mesh
+    set by `jax.set_mesh` (`mesh_context`), so XLA keeps activations where the table puts
+    them instead of guessing. Unchanged with no mesh set, on a one-device mesh, and where
+    some mesh axis is not Auto (inside `shard_map`, or explicit sharding: there the types
+    already carry the shardings)."""
+    axes = ACTIVATION_AXES.get(name)
+    if axes is None:
+        raise ValueError(f"unknown activation {name!r}; the activations are "
+                         f"{sorted(ACTIVATION_AXES)} (add it to ACTIVATION_AXES).")
+    if len(axes) != x.ndim:
+        raise ValueError(f"activation {name!r} has the logical axes {axes}, but the array "
+                         f"has shape {tuple(x.shape)}; pass a {len(axes)}-d array or "
+                         "another name.")
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or not mesh.are_all_axes_auto:
+        return x
+    missing = [a for a in MESH_AXES if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"the mesh set with jax.set_mesh lacks the axes {missing}; build it "
+                         f"with cca_jax.sharding.make_mesh (axes {MESH_AXES}).")
+    return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
+
+
+def mesh_context(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)` as a context manager, or nothing when `mesh` is None. Trace (and
+    call: the mesh is part of jit's cache key) the model's jitted functions inside it so
+    `constrain` takes effect."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def param_axes(path: Sequence[str], ndim: int) -> tuple[str, ...] | None:

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cca_jax.checkpoint import restore_params
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
-from cca_jax.sharding import batch_sharding, make_mesh, tree_shardings
+from cca_jax.sharding import batch_sharding, make_mesh, mesh_context, tree_shardings
 from train import finetune
 from train import step as steps
 from train.config import TrainConfig
@@ -105,7 +105,8 @@ def _compiled_step(kind: str, mesh_items: tuple | None, remat: str, document_mas
                  in_shardings=(shardings, batch_shard))
     state = jax.device_put(state, shardings)
     batch = jax.device_put(steps.in_row_order(packed_batch(), sequence), batch_shard)
-    compiled = fn.lower(state, batch).compile()
+    with mesh_context(mesh):   # as the trainer: the model's activation constraints apply
+        compiled = fn.lower(state, batch).compile()
     return compiled, jax.device_get(compiled(state, batch))
 
 

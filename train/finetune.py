@@ -6,8 +6,9 @@
 
 One frozen `TrainConfig` (train/config.py) holds the run; a TOML file (`--config`) and flags
 set it. The model and optimizer state are sharded over a mesh of every visible device by
-`cca_jax.sharding`'s table; the step is one `jit` with NamedShardings. With a `sequence`
-axis > 1, cca / sliding / streaming run sequence-sharded in the zigzag layout (train/step.py);
+`cca_jax.sharding`'s table; the step is one `jit` with NamedShardings, traced under
+`jax.set_mesh` so the model pins its activations to the same table. With a `sequence` axis > 1,
+cca / sliding / streaming run sequence-sharded in the zigzag layout (train/step.py);
 several processes start with `--coordinator HOST:PORT --num-processes N --process-id I`
 (train/multihost.py). Progress shows in a tqdm bar and goes, one JSON object per logged
 step, to OUT/metrics.jsonl. Orbax saves asynchronously every `--save-every` steps into
@@ -44,7 +45,7 @@ from tqdm import tqdm
 from cca_jax.cli import UsageError, enable_compile_cache
 from cca_jax.config import LlamaConfig
 from cca_jax.model import LlamaForCausalLM
-from cca_jax.sharding import batch_sharding, make_mesh, tree_shardings
+from cca_jax.sharding import batch_sharding, make_mesh, mesh_context, tree_shardings
 from train import multihost
 from train import step as steps
 from train.config import (PRESET_MODELS, TRAINABLE, TrainConfig, compile_cache_args,
@@ -315,7 +316,8 @@ def run(cfg: TrainConfig) -> dict:
             for step in range(start, cfg.steps):
                 batch = _device_batch(next(batches), cfg, batch_sharding3, sequence_sharding)
                 if step == start:
-                    train_step = train_step.lower(state, batch).compile()
+                    with mesh_context(mesh):   # the model's activation constraints
+                        train_step = train_step.lower(state, batch).compile()
                     # Processes compile at different speeds (one may hit a compilation
                     # cache); they start the step together: CPU (gloo) collectives give up
                     # when a peer is 30 s late.

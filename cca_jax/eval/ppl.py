@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from cca_jax.sharding import mesh_context, shard_model
+
 DEFAULT_CHUNK = 1024
 
 
@@ -105,11 +107,13 @@ def chunk_nll_fn(model, chunk: int):
 
 def perplexity(model, ids: Sequence[int] | np.ndarray, seq_len: int, stride: int | None = None,
                *, batch_size: int = 1, chunk: int = DEFAULT_CHUNK,
-               progress: bool = True) -> PerplexityResult:
+               progress: bool = True, mesh=None) -> PerplexityResult:
     """Perplexity of `model` on the token ids of one document (see the module docstring).
 
     batch_size: windows per forward pass; chunk: positions whose float32 logits exist at once
     (memory: batch_size * chunk * vocab floats), also the resolution of `by_position`.
+    mesh: run over its devices (parameters placed by `sharding.shard_model`, the forward
+    traced and run under it so activations follow the table).
     """
     from flax import nnx
 
@@ -128,6 +132,8 @@ def perplexity(model, ids: Sequence[int] | np.ndarray, seq_len: int, stride: int
                          f"[{ids.min()}, {ids.max()}]: is the tokenizer the model's own?")
     chunk = min(chunk, seq_len)
     batch_size = min(batch_size, len(starts))
+    if mesh is not None:
+        shard_model(model, mesh)
     fn = chunk_nll_fn(model, chunk)
     state = nnx.state(model)
     n_chunks = -(-seq_len // chunk)
@@ -139,7 +145,8 @@ def perplexity(model, ids: Sequence[int] | np.ndarray, seq_len: int, stride: int
         rows += [rows[0]] * (batch_size - real)      # pad the last batch: one compile
         inputs, targets, mask = window_arrays(ids, rows, seq_len, stride)
         mask[real:] = 0.0
-        s, c = fn(state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(mask))
+        with mesh_context(mesh):   # the model's activation constraints; jit's cache key
+            s, c = fn(state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(mask))
         sums += np.asarray(s, np.float64)
         counts += np.asarray(c, np.float64)
     total = int(counts.sum())
@@ -201,7 +208,7 @@ def read_text_tokens(a) -> np.ndarray:
 
 def run_ppl(a) -> tuple[dict[str, Any], str]:
     """`python -m cca_jax.eval ppl`: (JSON record with key `ppl`, markdown table)."""
-    from cca_jax.cli import UsageError
+    from cca_jax.cli import UsageError, mesh_from_args
     from cca_jax.eval.common import (attention_label, attention_record, check_checkpoint,
                                      load_model)
 
@@ -215,7 +222,7 @@ def run_ppl(a) -> tuple[dict[str, Any], str]:
                          f"{a.seq_len} for a model fine-tuned (or rope-scaled) that long.")
     try:
         result = perplexity(model, ids, a.seq_len, a.stride, batch_size=a.batch_size,
-                            chunk=a.chunk, progress=not a.no_progress)
+                            chunk=a.chunk, progress=not a.no_progress, mesh=mesh_from_args(a))
     except ValueError as e:
         msg = str(e).replace("seq_len", "--seq-len").replace("stride", "--stride")
         raise UsageError(msg.replace("batch_size", "--batch-size")) from None

@@ -30,7 +30,7 @@ from cca_jax.kv_cache import cache_bytes, cache_shapes, full_cache_bytes, init_c
 from cca_jax.padding import round_up
 from cca_jax.prefill import DEFAULT_CHUNK_SIZE, compile_prefill, prefill
 from cca_jax.sampling import check_sampling, sample
-from cca_jax.sharding import cache_shardings, shard_model
+from cca_jax.sharding import cache_shardings, mesh_context, shard_model
 
 # Prompt widths and default max_len are rounded up to this, so prompts of similar lengths
 # share one compiled prefill and decode step.
@@ -149,20 +149,22 @@ def stream_generate(model, input_ids, *, max_new_tokens: int, temperature: float
     chunk_size = min(chunk_size, width)
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     start = time.perf_counter()   # compile the prefill's programs and sampling's, untimed
-    compile_prefill(model, cache, ids, lengths, chunk_size=chunk_size)
+    with mesh_context(mesh):   # the model's activation constraints (sharding.constrain)
+        compile_prefill(model, cache, ids, lengths, chunk_size=chunk_size)
     key = jax.random.PRNGKey(seed)
     sample(jnp.zeros((batch, cfg.vocab_size), jnp.float32), jax.random.fold_in(key, 0),
            **settings).block_until_ready()
     stats.compile_seconds += time.perf_counter() - start
 
     start = time.perf_counter()
-    cache, logits = prefill(model, cache, ids, lengths, chunk_size=chunk_size)
+    with mesh_context(mesh):
+        cache, logits = prefill(model, cache, ids, lengths, chunk_size=chunk_size)
     tokens = sample(logits, jax.random.fold_in(key, 0), **settings)
     tokens.block_until_ready()
     stats.time_to_first_token = time.perf_counter() - start
     yield from decode_loop(model, cache, tokens, lengths, max_new_tokens=max_new_tokens,
                            key=key, stop_at_eos=stop_at_eos, eos=eos, pad=pad, stats=stats,
-                           **settings)
+                           mesh=mesh, **settings)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",),
@@ -196,7 +198,7 @@ def _step_programs(pattern, positions, steps: int, num_slots: int) -> list[bool]
 def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
                 temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, stop_at_eos: bool = True, eos=(), pad: int = 0,
-                stats: GenerationStats | None = None
+                stats: GenerationStats | None = None, mesh: Mesh | None = None
                 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield `(tokens [B], emitted [B])` for `max_new_tokens` steps from the first sampled
     `tokens` (device array) after a prefill that left row `b` at position `lengths[b]`.
@@ -207,7 +209,8 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
     (`decode_step(pool_slots=False)`, decided from the host's positions): a second program.
     Every program the loop can run is compiled before the first step (`stats.compile_seconds`);
     `stats.decode_seconds` is the wall time from the first tokens to the last. The cache is
-    consumed.
+    consumed. `mesh`: the one the model and cache are sharded over; the steps are traced and
+    run under it (`sharding.mesh_context`).
     """
     from flax import nnx
 
@@ -223,8 +226,9 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
     static = dict(sampling=sampling, stop_at_eos=bool(stop_at_eos and eos))
     start = time.perf_counter()
     for pool in _step_programs(pattern, positions, max_new_tokens - 1, num_slots):
-        _advance.lower(model_state, cache, tokens, done_dev, step_dev, key, eos_ids, pad,
-                       pool_slots=pool, **static).compile()
+        with mesh_context(mesh):
+            _advance.lower(model_state, cache, tokens, done_dev, step_dev, key, eos_ids, pad,
+                           pool_slots=pool, **static).compile()
     stats.compile_seconds += time.perf_counter() - start
     first_out = None
     for step in range(max_new_tokens):
@@ -232,8 +236,9 @@ def decode_loop(model, cache, tokens, lengths, *, max_new_tokens: int, key,
         if step < max_new_tokens - 1:
             running = positions[~host_done]
             pool = bool(num_slots and blocks.completes_slot(pattern, running, num_slots).any())
-            nxt = _advance(model_state, cache, tokens, done_dev, step_dev, key, eos_ids, pad,
-                           pool_slots=pool, **static)
+            with mesh_context(mesh):   # the mesh is part of jit's cache key
+                nxt = _advance(model_state, cache, tokens, done_dev, step_dev, key, eos_ids,
+                               pad, pool_slots=pool, **static)
             cache = nxt[3]
         emitted = ~np.asarray(done_dev)
         out = np.asarray(tokens)

@@ -47,6 +47,7 @@ from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_step_traced
 from cca_jax.kv_cache import cache_bytes, init_cache
 from cca_jax.prefill import prefill_chunk
 from cca_jax.sampling import check_sampling, sample_rows
+from cca_jax.sharding import mesh_context
 
 log = logging.getLogger("cca_jax.serve")
 
@@ -374,17 +375,19 @@ class Engine:
         return seeds, temperature, top_k, top_p
 
     def _run_prefill(self, rows, ids, n_valid, seqs):
-        tokens, self._cache = _prefill_and_sample(self._model_state, self._cache, rows, ids,
-                                                  n_valid, *self._settings(seqs))
+        with mesh_context(self.mesh):   # activation constraints; part of jit's cache key
+            tokens, self._cache = _prefill_and_sample(self._model_state, self._cache, rows,
+                                                      ids, n_valid, *self._settings(seqs))
         return np.asarray(tokens)
 
     def _run_decode(self, active, seqs, pool):
         tokens = np.array([s.last_token if s is not None else 0 for s in seqs], np.int32)
         steps = np.array([s.generated if s is not None else 0 for s in seqs], np.int32)
         seeds, temperature, top_k, top_p = self._settings(seqs)
-        out, self._cache = _decode_and_sample(self._model_state, self._cache, tokens, active,
-                                              seeds, steps, temperature, top_k, top_p,
-                                              pool_slots=pool)
+        with mesh_context(self.mesh):
+            out, self._cache = _decode_and_sample(self._model_state, self._cache, tokens,
+                                                  active, seeds, steps, temperature, top_k,
+                                                  top_p, pool_slots=pool)
         return np.asarray(out)
 
     def _prefill_once(self) -> None:
