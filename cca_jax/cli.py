@@ -1,5 +1,6 @@
 """What the inference command lines share (`python -m cca_jax.generate`, `python -m
-cca_jax.eval`, `python -m cca_jax.serve`): the usage error, the checkpoint argument and the model flags."""
+cca_jax.eval`, `python -m cca_jax.serve`): the usage error, the checkpoint argument and the
+model flags."""
 
 from __future__ import annotations
 
