@@ -1,13 +1,17 @@
-"""The Mosaic GPU forward (`pallas_kernels.mosaic_gpu`).
+"""The Mosaic GPU kernels (`pallas_kernels.mosaic_gpu`): the forward and the backward.
 
-On the CPU (default suite): there is no Mosaic GPU interpreter in jax 0.10, so the kernel
-itself cannot run here. What runs: cross-lowering for "cuda" (builds the Mosaic GPU module:
+On the CPU (default suite): cross-lowering for "cuda" (builds the Mosaic GPU modules:
 catches API, shape, layout and wgmma/TMA constraint errors; not ptxas, shared memory at run
-time or numerics), the config validation, and the block walk the kernel takes, checked
-against dense visibility in Python (`tables.walk_steps` mirrors the kernel's loop bounds).
-On a Hopper GPU (`gpu` marker): outputs against the float64 references, row by row, and
-against the Triton kernels; gradients (the Triton backward fed with this forward's output
-and log2-sum-exp).
+time or numerics), the config validation, and the block walks the kernels take (forward and
+key-side backward), checked against dense visibility in Python (`tables.walk_steps`,
+`tables.key_walk_steps` mirror the kernels' loop bounds).
+On the CPU, slow (`slow` marker, 20-120 s each): the kernels themselves in jax's GPU
+interpreter (`jax._src.pallas.mosaic_gpu.interpret`, jax 0.10.2), which simulates the
+warpgroups, barriers and TMA copies; it has no layout_cast, run_state or transposed wgmma
+operand, so there every matrix product is a plain dot on the shared-memory tiles
+(`pipeline.scores` / `pipeline.accumulate`), and the wgmma path is checked by lowering only.
+On a Hopper GPU (`gpu` marker): outputs and gradients against the float64 references, row
+by row, and against the Triton kernels.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ import pytest
 
 from cca_jax import blocks
 from cca_jax.padding import pad_row_bounds
-from pallas_kernels.mosaic_gpu import (MosaicConfig, blocked_attention_mosaic_gpu,
+from pallas_kernels.mosaic_gpu import (MosaicBackwardConfig, MosaicConfig,
+                                       blocked_attention_mosaic_gpu, mosaic_backward_config,
                                        mosaic_config, shared_memory_bytes, visit_tables)
-from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES
-from pallas_kernels.mosaic_gpu.tables import walk_steps
+from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES, backward_shared_memory_bytes
+from pallas_kernels.mosaic_gpu.tables import key_visit_tables, key_walk_steps, walk_steps
 
 S = jax.ShapeDtypeStruct
 
@@ -57,12 +62,27 @@ def test_forward_lowers_for_cuda(dtype, d, hq, hkv, tiling):
     assert "xla.gpu.triton" not in text
 
 
-def test_gradient_lowers_for_cuda():
-    """jax.grad through it: the Mosaic forward plus the three Triton backward kernels (dq,
-    dk/dv, dck/dcv); D = 96 runs zero-padded to 128."""
-    text = _lowered_text("bfloat16", 96, 8, 2, 700, 30, grad=True)
-    assert text.count("mosaic_gpu_v2(") == 1
-    assert text.count("xla.gpu.triton") == 3
+@pytest.mark.parametrize("backward,m,kernels", [
+    ("mosaic", 30, dict(mosaic=4, triton=0)),   # forward, dq, dk/dv, dck/dcv
+    ("mosaic", 0, dict(mosaic=3, triton=0)),    # no slots: no dck/dcv kernel
+    ("triton", 30, dict(mosaic=1, triton=3)),   # the Triton backward: dq, dk/dv, dck/dcv
+])
+def test_gradient_lowers_for_cuda(backward, m, kernels):
+    """jax.grad through it, D = 96 zero-padded to 128, GQA, L = 700: the Mosaic backward
+    is Mosaic GPU kernels only (no Triton one); the Triton one stays selectable."""
+    text = _lowered_text("bfloat16", 96, 8, 2, 700, m, grad=True, backward=backward)
+    assert text.count("mosaic_gpu_v2(") == kernels["mosaic"]
+    assert text.count("xla.gpu.triton") == kernels["triton"]
+
+
+def test_gradient_lowers_for_cuda_at_every_backward_tiling():
+    """float16, D = 64, no GQA, L = 1000: one consumer warpgroup, a deeper ring, wide steps
+    and wide dq rows (every backward setting off its default) still lower."""
+    tilings = [dict(compute_wgs=1, stages=3, block_kv=128, key_block_q=128),
+               dict(block_q=128, stages=4)]
+    for tiling in tilings:
+        text = _lowered_text("float16", 64, 4, 4, 1000, 45, grad=True, backward_tiling=tiling)
+        assert text.count("mosaic_gpu_v2(") == 4 and "xla.gpu.triton" not in text, tiling
 
 
 # ---- CPU: configuration ---------------------------------------------------------------------
@@ -110,6 +130,42 @@ def test_input_errors():
     q, k, v, ck, cv, *b = args
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
+
+
+def test_backward_config_defaults_fit_shared_memory():
+    cfg = mosaic_backward_config()
+    assert cfg == MosaicBackwardConfig() and cfg.row_multiple == 128
+    assert cfg.slot_multiple == 128 and cfg.key_cta_rows == 128
+    for d in (64, 128):
+        assert max(backward_shared_memory_bytes(cfg, d).values()) <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q=32), "block_q must be one of"),
+    (dict(block_kv=256), "block_kv must be one of"),
+    (dict(key_block_q=16), "key_block_q must be one of"),
+    (dict(stages=9), "stages must be an int from 2 to 8"),
+    (dict(compute_wgs=0), "compute_wgs must be one of"),
+    (dict(dq_block_q=64), "unknown Mosaic GPU backward setting 'dq_block_q'.*backward='triton'"),
+    (dict(softmax_head_dim=80), "unknown Mosaic GPU backward setting"),   # set by the padding
+])
+def test_backward_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic_backward_config(**fields)
+
+
+def test_backward_input_errors():
+    """A bad `backward`, a backward tiling over sm_90's shared memory, and Triton settings
+    given to the Mosaic backward each fail with the fix named, before anything runs."""
+    args = _small_inputs()
+    with pytest.raises(ValueError, match=r"backward must be one of \('mosaic', 'triton'\)"):
+        blocked_attention_mosaic_gpu(*args, backward="cuda")
+    with pytest.raises(ValueError, match="keys kernel needs .* lower stages or key_block_q"):
+        blocked_attention_mosaic_gpu(*args, backward_tiling=dict(stages=4, key_block_q=128))
+    with pytest.raises(ValueError, match="dq kernel needs .* lower stages or block_kv"):
+        blocked_attention_mosaic_gpu(*args, backward_tiling=dict(stages=4, block_kv=128))
+    with pytest.raises(ValueError, match="unknown Mosaic GPU backward setting 'dkv_block_k'"):
+        blocked_attention_mosaic_gpu(*args, backward_tiling=dict(dkv_block_k=64))
 
 
 # ---- CPU: the block walk against dense visibility -------------------------------------------
@@ -178,6 +234,51 @@ def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packe
                 assert not (core & ~covered["core"]).any(), (z, tile, w)
             kinds = [kind for kind, _, _ in steps]
             assert kinds == sorted(kinds, key=["raw", "core"].index)   # raw blocks first
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("key_rows,wgs,block_q", [(8, 2, 16), (16, 1, 8)])
+def test_key_walk_covers_every_row_that_sees_a_key_and_masks_every_partial_block(
+        name, packed, key_rows, wgs, block_q):
+    """The backward's key-side kernels (dk/dv over raw keys, dck/dcv over slots): for every
+    CTA and warpgroup, the steps taken (`key_walk_steps`, from `key_visit_tables`) visit,
+    for each query head of the group, every query block holding a row that sees one of the
+    warpgroup's keys (slots), and a step left unmasked is seen whole by every row of it.
+    Small blocks stand in for the kernel's (`KEY_ROWS` = 64)."""
+    b, length, groups = 2, 150, 2
+    bounds = _row_bounds(name, packed, b, length)
+    cta = key_rows * wgs
+    lp = -(-length // max(cta, block_q)) * max(cta, block_q)
+    rlo, clo, chi = (np.asarray(x) for x in pad_row_bounds(*bounds, lp))
+    mp = -(-max(int(chi.max()), 1) // cta) * cta
+    tables = key_visit_tables(rlo, clo, chi, mp, key_rows=key_rows, compute_wgs=wgs,
+                              block_q=block_q)
+    t, keys, slots = np.arange(lp), np.arange(lp), np.arange(mp)
+    seen = {"raw": (keys[None, None] >= rlo[..., None]) & (keys[None, None] <= t[None, :, None]),
+            "core": (slots[None, None] >= clo[..., None]) & (slots[None, None] < chi[..., None])}
+    for kind, table in zip(("raw", "core"), tables):
+        cta_table, wg_table = np.asarray(table.cta), np.asarray(table.wg)
+        n = (lp if kind == "raw" else mp) // cta
+        assert cta_table.shape == (b, n, 4) and wg_table.shape == (b, n * wgs, 4)
+        for z in range(b):
+            for tile in range(n):
+                steps = key_walk_steps(cta_table[z, tile],
+                                       wg_table[z, tile * wgs:(tile + 1) * wgs], groups)
+                assert [h for h, _, _ in steps] == sorted(h for h, _, _ in steps)
+                for w in range(wgs):
+                    own = tile * cta + w * key_rows + np.arange(key_rows)
+                    rows_seeing = seen[kind][z][:, own]                # [Lp rows, keys]
+                    for gi in range(groups):
+                        covered = np.zeros(lp, bool)
+                        for h, block, masked in steps:
+                            if h != gi:
+                                continue
+                            rows = slice(block * block_q, (block + 1) * block_q)
+                            covered[rows] = True
+                            if not masked[w]:
+                                assert rows_seeing[rows].all(), (kind, z, tile, w, block)
+                        assert not (rows_seeing.any(axis=1) & ~covered).any(), (kind, z, tile)
 
 
 @pytest.mark.slow   # about 40 s: three Triton kernels in interpret mode
@@ -387,8 +488,9 @@ def test_interpreted_kernel_matches_float64(tiling, packed):
 
 @pytest.mark.slow   # about 2 minutes: the interpreted forward, then Triton's interpreted backward
 def test_interpreted_gradients_match_the_triton_kernels():
-    """jax.grad through `blocked_attention_mosaic_gpu` (interpreted forward, the Triton
-    backward fed with its output and log2-sum-exp) against the Triton kernels' own forward
+    """jax.grad through `blocked_attention_mosaic_gpu` with backward="triton" (interpreted
+    forward, the Triton backward fed with its output and log2-sum-exp) against the Triton
+    kernels' own forward
     and backward: q/k/v gradients agree row by row within bf16 rounding (measured dq 1.9e-3,
     dk 1.7e-3, dv 0)."""
     from cca_jax.attention.pooling import slots_and_bounds
@@ -404,7 +506,7 @@ def test_interpreted_gradients_match_the_triton_kernels():
             return jnp.sum(entry(q, k, v, ck, cv, *bounds, **kw).astype(jnp.float32) * ct)
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     got = grads(blocked_attention_mosaic_gpu, interpret=True, compute_wgs=1,
-                backward_tiling=small)
+                backward="triton", backward_tiling=small)
     want = grads(blocked_attention_pallas_gpu, interpret=True, **small)
     for name, g, w in zip("qkv", got, want):
         assert row_max_error(g, w) < ROW_TOL["bfloat16"]["grad"], (name, row_max_error(g, w))

@@ -73,3 +73,21 @@ def key_visit_tables(raw_lo, core_lo, core_hi, num_slots: int, *, key_rows: int,
     cta = key_rows * compute_wgs
     return (VisitTables(cta=raw(cta), wg=raw(key_rows)),
             VisitTables(cta=slots(cta), wg=slots(key_rows)))
+
+
+def key_walk_steps(cta_row, wg_rows, groups: int) -> list[tuple[int, int, tuple]]:
+    """The steps one key-side CTA's warpgroups take (numpy, for tests), as the kernel
+    (`keys`) derives them from one row of each table: per step `(group_head, query_block,
+    masked_for_each_warpgroup)`, the CTA's query blocks once per query head of the group,
+    each warpgroup unmasked only on its own full range clipped into the CTA's."""
+    first, last = int(cta_row[Q_FIRST]), int(cta_row[Q_LAST])
+    steps = []
+    for gi in range(groups):
+        for block in range(first, last):
+            masked = []
+            for row in wg_rows:
+                full_first = min(max(int(row[Q_FULL_FIRST]), first), last)
+                full_last = min(max(int(row[Q_FULL_LAST]), full_first), last)
+                masked.append(not full_first <= block < full_last)
+            steps.append((gi, block, tuple(masked)))
+    return steps
