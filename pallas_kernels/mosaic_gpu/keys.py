@@ -10,8 +10,9 @@ one query block's Q, dO, row bounds and (log2-sum-exp, delta) into ring slot
 `step % stages`: step `s` is query head `s // n` of the group and query block
 `first + s % n`, the `n` blocks that see the CTA's keys (`tables.key_visit_tables`, from
 `cca_jax.blocks`). A slot block no row sees (padding; m = 0) has no steps: zeros.
-Per step, transposed (keys along rows): S^T = K Q^T, P^T = exp2(S^T c - lse), dV += P^T dO,
-dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q; masked only on edge blocks.
+Per step, transposed (keys along rows): S^T = K Q^T, P^T = exp2(S^T c - lse), dV += P^T dO
+and dP^T = V dO^T (issued together), dS^T = P^T (dP^T - delta), dK += dS^T Q; masked only
+on edge blocks.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
             if masked:
                 st = jnp.where(visible(rows_smem.at[slot], block * bq), st, -jnp.inf)
             pt = jnp.exp2(st * c - wide(as_cols(stats.at[0][...])))
-            dv = pipeline.accumulate(dv, pt.astype(dtype), do_tile, interpreted)
-            dpt = pipeline.scores(v_tile, do_tile, interpreted)
+            dv, dpt = pipeline.accumulate_and_score(dv, pt.astype(dtype), do_tile, v_tile,
+                                                    do_tile, interpreted)
             dst = pt * (dpt - wide(as_cols(stats.at[1][...])))
             dk = pipeline.accumulate(dk, dst.astype(dtype), q_tile, interpreted)
             plgpu.barrier_arrive(free.at[slot])

@@ -60,6 +60,22 @@ def accumulate(acc, a, b_smem, interpreted: bool):
     return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
+def accumulate_and_score(acc, a, b_smem, c_smem, d_smem, interpreted: bool):
+    """(`acc + a @ b`, float32 `c @ d.T`): on the GPU both wgmmas are issued before one wait
+    (the dk/dv step's dV += P^T dO and dP^T = V dO^T, as jax's attention_mgpu pairs them);
+    under the interpreter `accumulate` and `scores`."""
+    if interpreted:
+        return accumulate(acc, a, b_smem, True), scores(c_smem, d_smem, True)
+
+    def products(refs):
+        acc_ref, scores_ref = refs
+        plgpu.wgmma(acc_ref, a, b_smem)
+        plgpu.wgmma(scores_ref, c_smem, d_smem.transpose((1, 0)))
+    zeros = plgpu.layout_cast(jnp.zeros((c_smem.shape[0], d_smem.shape[0]), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    return pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
+
+
 def produce(n_steps, stages: int, copy, free) -> None:
     """The producer's loop: `copy(step, slot)` issues step's TMA copies into ring slot
     `step % stages`, after the consumers released the slot's previous step on `free`.
