@@ -621,7 +621,7 @@ INTERPRETED_BACKWARD = {
 }
 
 
-@pytest.mark.slow   # 100-110 s each on 2 busy cores: the interpreter simulates every warpgroup
+@pytest.mark.slow   # 40-110 s each on 2 cores: the interpreter simulates every warpgroup
 @pytest.mark.parametrize("case", sorted(INTERPRETED_BACKWARD))
 def test_interpreted_backward_matches_float64(case):
     """The three backward kernels (dq; dk/dv with the GQA group summed in registers;
