@@ -1,13 +1,17 @@
-"""The Mosaic GPU forward (`pallas_kernels.mosaic_gpu`).
+"""The Mosaic GPU kernels (`pallas_kernels.mosaic_gpu`): the forward and the backward.
 
-On the CPU (default suite): there is no Mosaic GPU interpreter in jax 0.10, so the kernel
-itself cannot run here. What runs: cross-lowering for "cuda" (builds the Mosaic GPU module:
+On the CPU (default suite): cross-lowering for "cuda" (builds the Mosaic GPU modules:
 catches API, shape, layout and wgmma/TMA constraint errors; not ptxas, shared memory at run
-time or numerics), the config validation, and the block walk the kernel takes, checked
-against dense visibility in Python (`tables.walk_steps` mirrors the kernel's loop bounds).
-On a Hopper GPU (`gpu` marker): outputs against the float64 references, row by row, and
-against the Triton kernels; gradients (the Triton backward fed with this forward's output
-and log2-sum-exp).
+time or numerics), the config validation, and the block walks the kernels take (forward and
+key-side backward), checked against dense visibility in Python (`tables.walk_steps`,
+`tables.key_walk_steps` mirror the kernels' loop bounds).
+On the CPU, slow (`slow` marker, 40-130 s each): the kernels themselves in jax's GPU
+interpreter (`jax._src.pallas.mosaic_gpu.interpret`, jax 0.10.2), which simulates the
+warpgroups, barriers and TMA copies; it has no layout_cast, run_state or transposed wgmma
+operand, so there every matrix product is a plain dot on the shared-memory tiles
+(`pipeline.scores` / `pipeline.accumulate`), and the wgmma path is checked by lowering only.
+On a Hopper GPU (`gpu` marker): outputs and gradients against the float64 references, row
+by row, and against the Triton kernels.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ import pytest
 
 from cca_jax import blocks
 from cca_jax.padding import pad_row_bounds
-from pallas_kernels.mosaic_gpu import (MosaicConfig, blocked_attention_mosaic_gpu,
+from pallas_kernels.mosaic_gpu import (MosaicBackwardConfig, MosaicConfig,
+                                       blocked_attention_mosaic_gpu, mosaic_backward_config,
                                        mosaic_config, shared_memory_bytes, visit_tables)
-from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES
-from pallas_kernels.mosaic_gpu.tables import walk_steps
+from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES, backward_shared_memory_bytes
+from pallas_kernels.mosaic_gpu.tables import key_visit_tables, key_walk_steps, walk_steps
 
 S = jax.ShapeDtypeStruct
 
@@ -57,12 +62,28 @@ def test_forward_lowers_for_cuda(dtype, d, hq, hkv, tiling):
     assert "xla.gpu.triton" not in text
 
 
-def test_gradient_lowers_for_cuda():
-    """jax.grad through it: the Mosaic forward plus the three Triton backward kernels (dq,
-    dk/dv, dck/dcv); D = 96 runs zero-padded to 128."""
-    text = _lowered_text("bfloat16", 96, 8, 2, 700, 30, grad=True)
-    assert text.count("mosaic_gpu_v2(") == 1
-    assert text.count("xla.gpu.triton") == 3
+@pytest.mark.parametrize("backward,m,kernels", [
+    ("mosaic", 30, dict(mosaic=4, triton=0)),   # forward, dq, dk/dv, dck/dcv
+    ("mosaic", 0, dict(mosaic=3, triton=0)),    # no slots: no dck/dcv kernel
+    ("triton", 30, dict(mosaic=1, triton=3)),   # the Triton backward: dq, dk/dv, dck/dcv
+])
+def test_gradient_lowers_for_cuda(backward, m, kernels):
+    """jax.grad through it, D = 96 zero-padded to 128, GQA, L = 700: the Mosaic backward
+    is Mosaic GPU kernels only (no Triton one); the Triton one stays selectable."""
+    text = _lowered_text("bfloat16", 96, 8, 2, 700, m, grad=True, backward=backward)
+    assert text.count("mosaic_gpu_v2(") == kernels["mosaic"]
+    assert text.count("xla.gpu.triton") == kernels["triton"]
+
+
+def test_gradient_lowers_for_cuda_at_every_backward_tiling():
+    """float16, D = 64, no GQA, L = 1000: one consumer warpgroup, a deeper ring, wide steps
+    and wide dq rows (every backward setting off its default) still lower."""
+    tilings = [dict(compute_wgs=1, stages=3, block_kv=128, key_block_q=128),
+               dict(block_q=128, stages=4)]
+    for tiling in tilings:
+        text = _lowered_text("float16", 64, 4, 4, 1000, 45, grad=True, backward="mosaic",
+                             backward_tiling=tiling)
+        assert text.count("mosaic_gpu_v2(") == 4 and "xla.gpu.triton" not in text, tiling
 
 
 # ---- CPU: configuration ---------------------------------------------------------------------
@@ -110,6 +131,45 @@ def test_input_errors():
     q, k, v, ck, cv, *b = args
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
+
+
+def test_backward_config_defaults_fit_shared_memory():
+    cfg = mosaic_backward_config()
+    assert cfg == MosaicBackwardConfig() and cfg.row_multiple == 128
+    assert cfg.slot_multiple == 128 and cfg.key_cta_rows == 128
+    for d in (64, 128):
+        assert max(backward_shared_memory_bytes(cfg, d).values()) <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q=32), "block_q must be one of"),
+    (dict(block_kv=256), "block_kv must be one of"),
+    (dict(key_block_q=16), "key_block_q must be one of"),
+    (dict(stages=9), "stages must be an int from 2 to 8"),
+    (dict(compute_wgs=0), "compute_wgs must be one of"),
+    (dict(dq_block_q=64), "unknown Mosaic GPU backward setting 'dq_block_q'.*backward='triton'"),
+    (dict(softmax_head_dim=80), "unknown Mosaic GPU backward setting"),   # set by the padding
+])
+def test_backward_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic_backward_config(**fields)
+
+
+def test_backward_input_errors():
+    """A bad `backward`, a backward tiling over sm_90's shared memory, and Triton settings
+    given to the Mosaic backward each fail with the fix named, before anything runs."""
+    args = _small_inputs()
+    with pytest.raises(ValueError, match=r"backward must be one of \('mosaic', 'triton'\)"):
+        blocked_attention_mosaic_gpu(*args, backward="cuda")
+    with pytest.raises(ValueError, match="keys kernel needs .* lower stages or key_block_q"):
+        blocked_attention_mosaic_gpu(*args, backward="mosaic",
+                                     backward_tiling=dict(stages=4, key_block_q=128))
+    with pytest.raises(ValueError, match="dq kernel needs .* lower stages or block_kv"):
+        blocked_attention_mosaic_gpu(*args, backward="mosaic",
+                                     backward_tiling=dict(stages=4, block_kv=128))
+    with pytest.raises(ValueError, match="unknown Mosaic GPU backward setting 'dkv_block_k'"):
+        blocked_attention_mosaic_gpu(*args, backward="mosaic",
+                                     backward_tiling=dict(dkv_block_k=64))
 
 
 # ---- CPU: the block walk against dense visibility -------------------------------------------
@@ -178,6 +238,51 @@ def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packe
                 assert not (core & ~covered["core"]).any(), (z, tile, w)
             kinds = [kind for kind, _, _ in steps]
             assert kinds == sorted(kinds, key=["raw", "core"].index)   # raw blocks first
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("key_rows,wgs,block_q", [(8, 2, 16), (16, 1, 8)])
+def test_key_walk_covers_every_row_that_sees_a_key_and_masks_every_partial_block(
+        name, packed, key_rows, wgs, block_q):
+    """The backward's key-side kernels (dk/dv over raw keys, dck/dcv over slots): for every
+    CTA and warpgroup, the steps taken (`key_walk_steps`, from `key_visit_tables`) visit,
+    for each query head of the group, every query block holding a row that sees one of the
+    warpgroup's keys (slots), and a step left unmasked is seen whole by every row of it.
+    Small blocks stand in for the kernel's (`KEY_ROWS` = 64)."""
+    b, length, groups = 2, 150, 2
+    bounds = _row_bounds(name, packed, b, length)
+    cta = key_rows * wgs
+    lp = -(-length // max(cta, block_q)) * max(cta, block_q)
+    rlo, clo, chi = (np.asarray(x) for x in pad_row_bounds(*bounds, lp))
+    mp = -(-max(int(chi.max()), 1) // cta) * cta
+    tables = key_visit_tables(rlo, clo, chi, mp, key_rows=key_rows, compute_wgs=wgs,
+                              block_q=block_q)
+    t, keys, slots = np.arange(lp), np.arange(lp), np.arange(mp)
+    seen = {"raw": (keys[None, None] >= rlo[..., None]) & (keys[None, None] <= t[None, :, None]),
+            "core": (slots[None, None] >= clo[..., None]) & (slots[None, None] < chi[..., None])}
+    for kind, table in zip(("raw", "core"), tables):
+        cta_table, wg_table = np.asarray(table.cta), np.asarray(table.wg)
+        n = (lp if kind == "raw" else mp) // cta
+        assert cta_table.shape == (b, n, 4) and wg_table.shape == (b, n * wgs, 4)
+        for z in range(b):
+            for tile in range(n):
+                steps = key_walk_steps(cta_table[z, tile],
+                                       wg_table[z, tile * wgs:(tile + 1) * wgs], groups)
+                assert [h for h, _, _ in steps] == sorted(h for h, _, _ in steps)
+                for w in range(wgs):
+                    own = tile * cta + w * key_rows + np.arange(key_rows)
+                    rows_seeing = seen[kind][z][:, own]                # [Lp rows, keys]
+                    for gi in range(groups):
+                        covered = np.zeros(lp, bool)
+                        for h, block, masked in steps:
+                            if h != gi:
+                                continue
+                            rows = slice(block * block_q, (block + 1) * block_q)
+                            covered[rows] = True
+                            if not masked[w]:
+                                assert rows_seeing[rows].all(), (kind, z, tile, w, block)
+                        assert not (rows_seeing.any(axis=1) & ~covered).any(), (kind, z, tile)
 
 
 @pytest.mark.slow   # about 40 s: three Triton kernels in interpret mode
@@ -327,8 +432,8 @@ def test_gpu_forward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed)
     ("bfloat16", 128, 4, 2, "cca", True), ("float16", 64, 4, 1, "streaming", False),
     ("bfloat16", 96, 2, 2, "sliding", True)])
 def test_gpu_gradients_match_triton(dtype, d, hq, hkv, name, packed):
-    """q/k/v gradients (the Triton backward fed with this forward's output and
-    log2-sum-exp) against the Triton kernels' forward + backward, row by row."""
+    """q/k/v gradients (the Mosaic backward, the default) against the Triton kernels'
+    forward + backward, row by row."""
     from tests.row_errors import row_max_error
     pattern = GPU_OPTIONS[name]
     q, k, v, ct, seg = _gpu_case(dtype, d, hq, hkv, name, packed)
@@ -361,6 +466,79 @@ def test_gpu_every_tiling_matches_float64(tiling):
 
 
 
+GPU_BACKWARD_OPTIONS = dict(GPU_OPTIONS, cca_sinks=blocks.CCA(16, 100, 4))
+
+
+def _naive_grads64(q, k, v, ct, pattern, seg):
+    """float64 q/k/v gradients of sum(out * ct) through the naive implementation (x64):
+    pooling and attention by dense masks, from cca_jax.attention.naive."""
+    from cca_jax.attention.naive import attention_naive
+    with jax.enable_x64(True):
+        q, k, v, ct = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, ct))
+        seg = None if seg is None else jnp.asarray(np.asarray(seg))
+        grads = jax.grad(lambda q, k, v: jnp.sum(attention_naive(
+            q, k, v, pattern, segment_ids=seg) * ct), argnums=(0, 1, 2))(q, k, v)
+        return [np.asarray(g) for g in grads]
+
+
+def _entry_grads(pattern, q, k, v, ct, seg, **entry_kw):
+    """q/k/v gradients of sum(out * ct) through `slots_and_bounds` and the Mosaic entry."""
+    from cca_jax.attention.pooling import slots_and_bounds
+
+    def loss(q, k, v):
+        ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
+        out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, **entry_kw)
+        return jnp.sum(out.astype(jnp.float32) * ct)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_SHAPES + [("bfloat16", 96, 2, 2)])
+@pytest.mark.parametrize("name", ["cca", "cca_sinks", "full", "streaming"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_backward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed):
+    """The Mosaic backward on ragged L = 1000, GQA, packed rows, sinks, no slots
+    (full), D = 96 zero-padded to 128 (CCA only): q/k/v gradients against float64 (naive,
+    x64) and against the Triton backward fed with the same forward, row by row."""
+    if d == 96 and name != "cca":
+        pytest.skip("D = 96 (padding) is checked on CCA only")
+    from tests.row_errors import row_max_error
+    pattern = GPU_BACKWARD_OPTIONS[name]
+    q, k, v, ct, seg = _gpu_case(dtype, d, hq, hkv, name, packed)
+    got = _entry_grads(pattern, q, k, v, ct, seg, backward="mosaic")
+    triton = _entry_grads(pattern, q, k, v, ct, seg, backward="triton")
+    want = _naive_grads64(q, k, v, ct, pattern, seg)
+    for dname, g, t, w in zip("qkv", got, triton, want):
+        assert g.dtype == q.dtype and np.all(np.isfinite(np.asarray(g, np.float32))), dname
+        err, vs_triton = row_max_error(g, w), row_max_error(g, t)
+        print(f"{name} {dtype} D={d} packed={packed}: d{dname} row error vs float64 "
+              f"{err:.2e}, vs the Triton backward {vs_triton:.2e} (Triton vs float64 "
+              f"{row_max_error(t, w):.2e})")
+        assert err < ROW_TOL[dtype]["grad"], (dname, err)
+        assert vs_triton < ROW_TOL[dtype]["grad"], (dname, vs_triton)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("backward_tiling", [
+    dict(compute_wgs=1), dict(stages=3), dict(block_kv=128, key_block_q=128),
+    dict(block_q=128, stages=3, compute_wgs=1)])
+def test_gpu_every_backward_tiling_matches_float64(backward_tiling):
+    """The backward config's other settings (one consumer warpgroup, a deeper ring, wide
+    steps, wide dq rows) on packed CCA, bf16, D = 128, GQA."""
+    from tests.row_errors import row_max_error
+    pattern = blocks.CCA(16, 100)
+    q, k, v, ct = _inputs(1, 777, 4, 2, 128, jnp.bfloat16, seed=3)
+    seg = jnp.asarray(_segments(1, 777, 11))
+    got = _entry_grads(pattern, q, k, v, ct, seg, backward="mosaic",
+                       backward_tiling=backward_tiling)
+    want = _naive_grads64(q, k, v, ct, pattern, seg)
+    for dname, g, w in zip("qkv", got, want):
+        err = row_max_error(g, w)
+        print(f"{backward_tiling}: d{dname} row error vs float64 {err:.2e}")
+        assert err < ROW_TOL["bfloat16"]["grad"], (dname, err)
+
 # ---- CPU, slow: the kernel itself under jax's GPU interpreter --------------------------------
 
 @pytest.mark.slow   # 40-60 s each: the interpreter simulates every warpgroup, barrier and copy
@@ -387,8 +565,9 @@ def test_interpreted_kernel_matches_float64(tiling, packed):
 
 @pytest.mark.slow   # about 2 minutes: the interpreted forward, then Triton's interpreted backward
 def test_interpreted_gradients_match_the_triton_kernels():
-    """jax.grad through `blocked_attention_mosaic_gpu` (interpreted forward, the Triton
-    backward fed with its output and log2-sum-exp) against the Triton kernels' own forward
+    """jax.grad through `blocked_attention_mosaic_gpu` with backward="triton" (interpreted
+    forward, the Triton backward fed with its output and log2-sum-exp) against the Triton
+    kernels' own forward
     and backward: q/k/v gradients agree row by row within bf16 rounding (measured dq 1.9e-3,
     dk 1.7e-3, dv 0)."""
     from cca_jax.attention.pooling import slots_and_bounds
@@ -404,7 +583,101 @@ def test_interpreted_gradients_match_the_triton_kernels():
             return jnp.sum(entry(q, k, v, ck, cv, *bounds, **kw).astype(jnp.float32) * ct)
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     got = grads(blocked_attention_mosaic_gpu, interpret=True, compute_wgs=1,
-                backward_tiling=small)
+                backward="triton", backward_tiling=small)
     want = grads(blocked_attention_pallas_gpu, interpret=True, **small)
     for name, g, w in zip("qkv", got, want):
         assert row_max_error(g, w) < ROW_TOL["bfloat16"]["grad"], (name, row_max_error(g, w))
+
+
+# ---- CPU, slow: the backward kernels under jax's GPU interpreter -----------------------------
+
+def _core_reference64(q, k, v, ck, cv, raw_lo, core_lo, core_hi, dout):
+    """float64 (x64) output, log2-sum-exp `[B, Hq, L]` and (dq, dk, dv, dck, dcv) of the
+    function the kernels compute, by dense masks: one softmax per row over raw keys
+    `[raw_lo, t]` and slots `[core_lo, core_hi)` (K/V repeated over the GQA group here)."""
+    with jax.enable_x64(True):
+        x = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, ck, cv)]
+        rlo, clo, chi = (jnp.asarray(np.asarray(a)) for a in (raw_lo, core_lo, core_hi))
+        length, d = q.shape[1], q.shape[-1]
+        t, slot = jnp.arange(length), jnp.arange(ck.shape[1])
+        core = (slot[None, None] >= clo[..., None]) & (slot[None, None] < chi[..., None])
+        raw = (t[None, None] >= rlo[..., None]) & (t[None, None] <= t[None, :, None])
+        seen = jnp.concatenate([core, raw], axis=-1)[:, None]          # [B, 1, L, m + L]
+
+        def scores(q, k, ck):
+            keys = jnp.concatenate([ck, jnp.repeat(k, q.shape[2] // k.shape[2], 2)], axis=1)
+            s = jnp.einsum("bthd,buhd->bhtu", q, keys) / np.sqrt(d)
+            return jnp.where(seen, s, -jnp.inf)
+
+        def attend(q, k, v, ck, cv):
+            vals = jnp.concatenate([cv, jnp.repeat(v, q.shape[2] // v.shape[2], 2)], axis=1)
+            return jnp.einsum("bhtu,buhd->bthd", jax.nn.softmax(scores(q, k, ck), -1), vals)
+        out, vjp = jax.vjp(attend, *x)
+        lse = jax.nn.logsumexp(scores(x[0], x[1], x[3]), axis=-1) / np.log(2.0)
+        grads = vjp(jnp.asarray(np.asarray(dout, np.float64)))
+        return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
+
+
+# (pattern, L, Hq, Hkv, packed, backward tiling): ragged L everywhere (no multiple of 64).
+INTERPRETED_BACKWARD = {
+    "cca_gqa_packed": (blocks.CCA(4, 37), 200, 2, 1, True, dict(compute_wgs=1)),
+    "cca_sinks": (blocks.CCA(5, 41, 3), 150, 2, 1, False, dict(compute_wgs=2, stages=3)),
+    "full_no_slots": (blocks.CCA(4, 400), 150, 2, 2, False, dict(compute_wgs=1)),   # m = 0
+}
+
+
+@pytest.mark.slow   # 40-110 s each on 2 cores: the interpreter simulates every warpgroup
+@pytest.mark.parametrize("case", sorted(INTERPRETED_BACKWARD))
+def test_interpreted_backward_matches_float64(case):
+    """The three backward kernels (dq; dk/dv with the GQA group summed in registers;
+    dck/dcv, absent when m = 0) in the GPU interpreter, fed with a float64 forward's output
+    (in bf16) and log2-sum-exp, against float64 gradients of the same function, row by row:
+    CCA with packed rows (segment ids), with sinks, and full attention (no slots). The
+    interpreter runs plain dots where the GPU runs wgmma (module docstring)."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.mosaic_gpu.api import _interpret_params
+    from pallas_kernels.mosaic_gpu.backward import mosaic_backward
+    from tests.row_errors import row_max_error
+    pattern, length, hq, hkv, packed, tiling = INTERPRETED_BACKWARD[case]
+    q, k, v, ct = _inputs(1, length, hq, hkv, 64, jnp.bfloat16, seed=len(case))
+    seg = jnp.asarray(_segments(1, length, 2)) if packed else None
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
+    assert (ck.shape[1] == 0) == (case == "full_no_slots")
+    dout = ct.astype(q.dtype)
+    out, lse, want = _core_reference64(q, k, v, ck, cv, *bounds, dout)
+    got = mosaic_backward(q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype),
+                          jnp.asarray(lse, jnp.float32), dout, mosaic_backward_config(**tiling),
+                          interpret=_interpret_params(True))
+    for name, g, w in zip(("dq", "dk", "dv", "dck", "dcv"), got, want):
+        assert g.shape == w.shape and g.dtype == q.dtype, name
+        if w.size == 0:
+            continue
+        err = row_max_error(g, w)
+        print(f"{case} {name}: row error vs float64 {err:.2e}")
+        assert err < 1e-2, (name, err)     # bf16 rounding: measured 1.3e-3 to 2.9e-3
+
+
+@pytest.mark.slow   # about 2 minutes: the interpreted forward, then the interpreted backward
+def test_interpreted_gradients_through_the_entry_match_float64():   # measured 1.9-2.4e-3
+    """jax.grad through `blocked_attention_mosaic_gpu` (backward="mosaic") and
+    the pooling, in the GPU interpreter, against the naive implementation's q/k/v gradients
+    in float64: the custom_vjp wiring, residuals and padding end to end."""
+    from cca_jax.attention.naive import cca_attention_naive
+    from cca_jax.attention.pooling import slots_and_bounds
+    from tests.row_errors import row_max_error
+    q, k, v, ct = _inputs(1, 100, 2, 1, 64, jnp.bfloat16, seed=0)
+
+    def loss(q, k, v):
+        ck, cv, *bounds = slots_and_bounds(q, k, v, blocks.CCA(4, 21))
+        out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, interpret=True,
+                                           compute_wgs=1, backward="mosaic")
+        return jnp.sum(out.astype(jnp.float32) * ct)
+    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    with jax.enable_x64(True):
+        x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, ct)]
+        want = jax.grad(lambda q, k, v: jnp.sum(cca_attention_naive(
+            q, k, v, group_size=4, window_size=21) * x64[3]), argnums=(0, 1, 2))(*x64[:3])
+    for name, g, w in zip("qkv", got, want):
+        err = row_max_error(g, np.asarray(w))
+        print(f"d{name}: row error vs float64 {err:.2e}")
+        assert err < 1e-2, (name, err)

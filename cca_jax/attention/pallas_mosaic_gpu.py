@@ -1,10 +1,11 @@
 """The Mosaic GPU backend (Hopper): slots and bounds prepared here, then the warp-specialised
 forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator).
 
-Its gradient and its decode step are still the Triton-lowered kernels' (`pallas_gpu`); the
-forward is the part that runs at the card's speed (benchmarks/results/research/
-mosaic_gpu_cca_h200.md). `auto` picks it before `pallas_gpu` on sm_90+ GPUs for bfloat16 and
-float16; float32, older GPUs and head dims above 128 go to `pallas_gpu` or `xla`.
+Its gradient is the Triton-lowered backward by default (`backward="mosaic"` selects the
+Mosaic GPU one); its decode step is still the Triton kernels' (`pallas_gpu`). Forward
+timings: benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before
+`pallas_gpu` on sm_90+ GPUs for bfloat16 and float16; float32, older GPUs and head dims
+above 128 go to `pallas_gpu` or `xla`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
                          segment_ids=None, interpret=None, **tiling):
     """Attention under `pattern` through the Mosaic GPU forward; the result of
     `run_attention`. `tiling`: `pallas_kernels.mosaic_gpu.mosaic_config` field overrides
-    (plus `backward_tiling=`, the Triton backward's). interpret defaults to True on the CPU
+    (plus `backward=` "mosaic" or "triton" and `backward_tiling=`, that backward's
+    settings). interpret defaults to True on the CPU
     backend (jax's GPU interpreter: tiny shapes only)."""
     from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,

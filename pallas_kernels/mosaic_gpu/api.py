@@ -2,9 +2,10 @@
 
 Same prepared tensors as `pallas_kernels.gpu.blocked_attention_pallas_gpu` (the slots and
 bounds come from the caller, e.g. `cca_jax.attention.pooling.slots_and_bounds`). The forward
-is the Mosaic GPU kernel (`forward`); the backward, for now, is the Triton-lowered kernels'
-(`pallas_kernels.gpu.kernels.cca_backward`, imported only when differentiating), fed with
-this forward's output and log2-sum-exp.
+is the Mosaic GPU kernel (`forward`). The backward is the Mosaic GPU one (`backward`: dq,
+dk/dv, dck/dcv kernels) by default, or, with `backward="triton"`, the Triton-lowered kernels'
+(`pallas_kernels.gpu.kernels.cca_backward`, imported only when differentiating); both are
+fed with this forward's output and log2-sum-exp.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up
-from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicConfig, check_shared_memory,
+from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicBackwardConfig, MosaicConfig,
+                                              check_backward_shared_memory,
+                                              check_shared_memory, mosaic_backward_config,
                                               mosaic_config)
 from pallas_kernels.shapes import check_blocked_inputs
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+BACKWARDS = ("mosaic", "triton")
 
 
 def padded_head_dim(d: int) -> int | None:
@@ -57,8 +61,9 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, inter
 def mosaic_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig,
                           backward_cfg, interpret=None):
     """One softmax over raw keys `[raw_lo, t]` and slots `[core_lo, core_hi)` per row.
-    `backward_cfg`: the Triton kernels' KernelConfig its gradient runs with; `interpret`:
-    None, or the GPU interpreter's params (`forward.forward`)."""
+    `backward_cfg`: a MosaicBackwardConfig (the Mosaic GPU backward) or the Triton kernels'
+    KernelConfig (their backward); `interpret`: None, or the GPU interpreter's params
+    (`forward.forward`; the Mosaic backward runs in it too)."""
     return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)[0]
 
 
@@ -68,16 +73,31 @@ def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg, inter
 
 
 def _vjp_bwd(cfg, backward_cfg, interpret, residuals, dout):
-    from pallas_kernels.gpu.kernels import cca_backward
-    return (*cca_backward(*residuals, dout, backward_cfg), None, None, None)
+    if isinstance(backward_cfg, MosaicBackwardConfig):
+        from pallas_kernels.mosaic_gpu.backward import mosaic_backward
+        grads = mosaic_backward(*residuals, dout, backward_cfg, interpret=interpret)
+    else:
+        from pallas_kernels.gpu.kernels import cca_backward
+        grads = cca_backward(*residuals, dout, backward_cfg)
+    return (*grads, None, None, None)
 
 
 mosaic_core_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def _backward_config(dtype, softmax_head_dim: int, backward_tiling, interpret: bool):
-    from pallas_kernels.gpu.api import kernel_config
-    cfg = kernel_config(dtype, interpret=interpret, **(backward_tiling or {}))
+def _backward_config(backward: str, dtype, width: int, softmax_head_dim: int, backward_tiling,
+                     interpret: bool):
+    """The backward's config: a MosaicBackwardConfig ("mosaic", checked against shared
+    memory at the kernel head dim `width`) or the Triton kernels' KernelConfig ("triton");
+    `backward_tiling` overrides its fields."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}.")
+    if backward == "mosaic":
+        cfg = mosaic_backward_config(**(backward_tiling or {}))
+        check_backward_shared_memory(cfg, width, jnp.dtype(dtype).itemsize)
+    else:
+        from pallas_kernels.gpu.api import kernel_config
+        cfg = kernel_config(dtype, interpret=interpret, **(backward_tiling or {}))
     return cfg._replace(softmax_head_dim=softmax_head_dim)
 
 
@@ -95,7 +115,8 @@ def _interpret_params(interpret):
 
 
 def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
-                                 backward_tiling=None, interpret=None, **tiling):
+                                 backward="triton", backward_tiling=None, interpret=None,
+                                 **tiling):
     """One softmax per row over raw keys and slots, through the Mosaic GPU forward (sm_90).
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (query head h uses KV head h // (Hq / Hkv),
@@ -104,11 +125,12 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])`. bfloat16 or float16; D up
     to 128 (64 and 128 native, others zero-padded to the next). `tiling`: MosaicConfig
     fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first).
-    Differentiable in q, k, v, ck, cv: the backward is the Triton-lowered kernels'
-    (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper GPU to run; lowers
-    for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`) runs it on the CPU in
-    jax's GPU interpreter (slow: tiny shapes only; the backward then in Triton's interpret
-    mode).
+    Differentiable in q, k, v, ck, cv: `backward="mosaic"` runs the Mosaic GPU backward
+    kernels (`backward_tiling`: MosaicBackwardConfig overrides), `"triton"` (default until
+    the Mosaic backward is measured faster on the H200) the Triton-lowered ones (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper
+    GPU to run; lowers for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`)
+    runs it on the CPU in jax's GPU interpreter (slow: tiny shapes only; a Triton backward
+    then in Triton's interpret mode).
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
     check_blocked_inputs(q, k, v, ck, cv, bounds)
@@ -128,8 +150,8 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
         cfg = cfg._replace(softmax_head_dim=d)
         q, k, v, ck, cv = (_pad_head_dim(x, width) for x in (q, k, v, ck, cv))
     interpret = _interpret_params(interpret)
-    backward_cfg = _backward_config(q.dtype, cfg.softmax_head_dim, backward_tiling,
-                                    interpret is not None)
+    backward_cfg = _backward_config(backward, q.dtype, width, cfg.softmax_head_dim,
+                                    backward_tiling, interpret is not None)
     out = mosaic_core_attention(q, k, v, ck, cv, *(x.astype(jnp.int32) for x in bounds), cfg,
                                 backward_cfg, interpret)
     return out[..., :d]

@@ -102,3 +102,100 @@ def mosaic_config(**fields) -> MosaicConfig:
             raise ValueError(f"unknown Mosaic GPU kernel setting {name!r}; the settings are "
                              f"{settable}.")
     return check_config(MosaicConfig(**fields))
+
+
+# ---- the backward kernels ---------------------------------------------------------------------
+
+# Keys (or slots) one consumer warpgroup of the dk/dv and dck/dcv kernels owns: wgmma's 64-row
+# tile. Its dk and dv accumulators stay in registers for the whole walk, so 128 rows (two
+# tiles, 256 float32 registers a thread at D = 128) would not fit.
+KEY_ROWS = 64
+
+
+class MosaicBackwardConfig(NamedTuple):
+    """Static tiling of the Mosaic GPU backward (hashable: a custom_vjp non-diff argument).
+
+    block_q: dq kernel: query rows per consumer warpgroup (a multiple of wgmma's 64).
+    block_kv: dq kernel: keys or slots per pipeline step.
+    key_block_q: dk/dv and dck/dcv kernels: query rows per pipeline step (each consumer
+        warpgroup owns `KEY_ROWS` keys or slots and accumulates their gradients).
+    stages: buffers in flight in every kernel's ring (>= 2).
+    compute_wgs: consumer warpgroups per CTA in every kernel (1 or 2), sharing one ring.
+    softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
+    """
+    block_q: int = 64
+    block_kv: int = 64
+    key_block_q: int = 64
+    stages: int = 2
+    compute_wgs: int = 2
+    softmax_head_dim: int = 0
+
+    @property
+    def key_cta_rows(self) -> int:
+        """Keys (slots) per CTA of the dk/dv (dck/dcv) kernel."""
+        return KEY_ROWS * self.compute_wgs
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows (queries and keys) are zero-padded to a multiple of this."""
+        return max(self.block_q * self.compute_wgs, self.block_kv, self.key_cta_rows,
+                   self.key_block_q)
+
+    @property
+    def slot_multiple(self) -> int:
+        """Slots are zero-padded to a multiple of this (at least one)."""
+        return max(self.block_kv, self.key_cta_rows)
+
+
+def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
+    """`cfg` if every field is valid, else a ValueError naming the field and its choices."""
+    _choice("block_q", cfg.block_q, BLOCK_Q_CHOICES)
+    _choice("block_kv", cfg.block_kv, BLOCK_Q_CHOICES)
+    _choice("key_block_q", cfg.key_block_q, BLOCK_Q_CHOICES)
+    _choice("compute_wgs", cfg.compute_wgs, (1, 2))
+    if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
+        raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
+    if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
+            or cfg.softmax_head_dim < 0:
+        raise ValueError(f"softmax_head_dim must be an int >= 0, got {cfg.softmax_head_dim!r}.")
+    return cfg
+
+
+def backward_shared_memory_bytes(cfg: MosaicBackwardConfig, head_dim: int,
+                                 itemsize: int = 2) -> dict:
+    """Shared memory each backward kernel allocates, by name ("dq", "keys"): the tiles a
+    warpgroup owns (dq: Q and dO; keys: K and V), the ring (dq: K, V; keys: Q, dO), per-row
+    bounds and log2-sum-exp/delta, barriers (8 bytes each)."""
+    wgs, stages = cfg.compute_wgs, cfg.stages
+    barriers = (4 * wgs + 4 * stages) * 8
+    dq = (2 * wgs * cfg.block_q + 2 * stages * cfg.block_kv) * head_dim * itemsize \
+        + wgs * cfg.block_q * (3 + 2) * 4 + barriers
+    keys = (2 * wgs * KEY_ROWS + 2 * stages * cfg.key_block_q) * head_dim * itemsize \
+        + stages * cfg.key_block_q * (3 + 2) * 4 + barriers
+    return {"dq": dq, "keys": keys}
+
+
+def check_backward_shared_memory(cfg: MosaicBackwardConfig, head_dim: int,
+                                 itemsize: int = 2) -> None:
+    """ValueError naming the fix when a backward kernel's tiles exceed sm_90's shared
+    memory."""
+    for kernel, need in backward_shared_memory_bytes(cfg, head_dim, itemsize).items():
+        if need > SMEM_LIMIT_BYTES:
+            block = "block_kv" if kernel == "dq" else "key_block_q"
+            raise ValueError(
+                f"the Mosaic GPU backward's {kernel} kernel needs {need / 1024:.0f} KiB of "
+                f"shared memory at head_dim={head_dim} with {cfg}; sm_90 has "
+                f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or {block}.")
+
+
+def mosaic_backward_config(**fields) -> MosaicBackwardConfig:
+    """A validated MosaicBackwardConfig with `fields` overriding the defaults (None values
+    ignored)."""
+    fields = {name: value for name, value in fields.items() if value is not None}
+    settable = [f for f in MosaicBackwardConfig._fields if f != "softmax_head_dim"]
+    for name in fields:
+        if name not in settable:
+            raise ValueError(f"unknown Mosaic GPU backward setting {name!r}; the settings "
+                             f"are {settable} (or pass backward='triton' to tune the "
+                             f"Triton backward with its kernel_config fields).")
+    return check_backward_config(MosaicBackwardConfig(**fields))

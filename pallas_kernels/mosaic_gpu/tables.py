@@ -53,3 +53,41 @@ def walk_steps(cta_row, wg_rows) -> list[tuple[str, int, bool]]:
                 masked.append(not full_first <= block < full_last)
             steps.append((kind, block, tuple(masked)))
     return steps
+
+
+# Columns of `blocks.key_block_visits` / `slot_block_visits`: the query blocks to visit.
+Q_FIRST, Q_FULL_FIRST, Q_FULL_LAST, Q_LAST = 0, 1, 2, 3
+
+
+def key_visit_tables(raw_lo, core_lo, core_hi, num_slots: int, *, key_rows: int,
+                     compute_wgs: int, block_q: int) -> tuple[VisitTables, VisitTables]:
+    """(raw keys, slots) tables of the backward's key-side kernels: per CTA of
+    `key_rows * compute_wgs` keys (slots) and per warpgroup of `key_rows`, the query blocks
+    of `block_q` rows that see them (`blocks.key_block_visits` / `slot_block_visits`, int32
+    `[B, n, 4]`). Bounds `[B, Lp]` padded; `num_slots` padded to whole CTAs (jnp)."""
+    def raw(rows):
+        return blocks.key_block_visits(raw_lo, rows, block_q)
+
+    def slots(rows):
+        return blocks.slot_block_visits(core_lo, core_hi, num_slots, rows, block_q)
+    cta = key_rows * compute_wgs
+    return (VisitTables(cta=raw(cta), wg=raw(key_rows)),
+            VisitTables(cta=slots(cta), wg=slots(key_rows)))
+
+
+def key_walk_steps(cta_row, wg_rows, groups: int) -> list[tuple[int, int, tuple]]:
+    """The steps one key-side CTA's warpgroups take (numpy, for tests), as the kernel
+    (`keys`) derives them from one row of each table: per step `(group_head, query_block,
+    masked_for_each_warpgroup)`, the CTA's query blocks once per query head of the group,
+    each warpgroup unmasked only on its own full range clipped into the CTA's."""
+    first, last = int(cta_row[Q_FIRST]), int(cta_row[Q_LAST])
+    steps = []
+    for gi in range(groups):
+        for block in range(first, last):
+            masked = []
+            for row in wg_rows:
+                full_first = min(max(int(row[Q_FULL_FIRST]), first), last)
+                full_last = min(max(int(row[Q_FULL_LAST]), full_first), last)
+                masked.append(not full_first <= block < full_last)
+            steps.append((gi, block, tuple(masked)))
+    return steps

@@ -1,0 +1,174 @@
+"""The backward's dq kernel on Mosaic GPU (sm_90): per block of query rows, the forward's walk.
+
+One CTA per (query head, `block_q * compute_wgs` rows, batch row). The producer (last
+warpgroup) streams the raw-window key blocks and then the slot blocks the CTA's rows see
+(the forward's tables, `tables.visit_tables`), K and V of each into ring slot
+`step % stages`. Each consumer warpgroup owns `block_q` rows: per step it recomputes
+P = exp2(S * c - lse) from the forward's log2-sum-exp, dP = dO V^T, dS = P (dP - delta),
+and accumulates dQ += dS K in registers (float32), masking only the steps that are edge
+blocks for its own rows. dq is written once, scaled, in the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu import pipeline
+from pallas_kernels.mosaic_gpu.config import MosaicBackwardConfig
+from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
+                                              CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
+                                              RAW_FULL_LAST, RAW_LAST)
+
+_LOG2E = math.log2(math.e)
+
+
+def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, cta_ref,
+            wg_ref, dq_ref,
+            q_smem, do_smem, k_smem, v_smem, rows_smem, stats_smem,
+            q_bar, do_bar, rows_bar, stats_bar, k_ready, v_ready, free,
+            *, cfg: MosaicBackwardConfig, groups: int, scale: float, interpreted: bool):
+    bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile = lax.axis_index("q_tiles")
+    as_tile, as_rows, _ = pipeline.layouts(interpreted)
+    raw_first = cta_ref[batch, tile, RAW_FIRST]
+    core_first = cta_ref[batch, tile, CORE_FIRST]
+    n_raw = cta_ref[batch, tile, RAW_LAST] - raw_first
+    n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
+
+    @pl.when(wg < wgs)
+    def _consumer():
+        if wgs == 2:
+            plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
+        r0 = tile * (bq * wgs) + wg * bq
+        rows = pl.ds(r0, bq)
+        q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, do_bar.at[wg])
+        plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, rows], rows_smem.at[wg],
+                                rows_bar.at[wg])
+        plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, rows], stats_smem.at[wg],
+                                stats_bar.at[wg])
+        for bar in (q_bar, do_bar, rows_bar, stats_bar):
+            plgpu.barrier_wait(bar.at[wg])
+        raw_lo, core_lo, core_hi = (as_rows(rows_smem.at[wg].at[i][...]) for i in range(3))
+        lse, delta = (as_rows(stats_smem.at[wg].at[i][...]) for i in range(2))
+        c = scale * _LOG2E
+
+        def wide(x):
+            return lax.broadcast_in_dim(x, (bq, bk), [0])
+
+        def iota(dim):
+            return as_tile(lax.broadcasted_iota(jnp.int32, (bq, bk), dim))
+
+        def raw_visible(block):
+            keys = iota(1) + block * bk
+            return (keys >= wide(raw_lo)) & (keys <= iota(0) + r0)
+
+        def core_visible(block):
+            slots = iota(1) + block * bk
+            return (slots >= wide(core_lo)) & (slots < wide(core_hi))
+
+        def step(s, block, dq, masked, visible):
+            slot = lax.rem(s, jnp.int32(stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            sc = pipeline.scores(q_tile, k_smem.at[slot], interpreted)
+            if masked:
+                sc = jnp.where(visible(block), sc, -jnp.inf)
+            p = jnp.exp2(sc * c - wide(lse))
+            dp = pipeline.scores(do_tile, v_smem.at[slot], interpreted)
+            ds = p * (dp - wide(delta))
+            dq = pipeline.accumulate(dq, ds.astype(q_ref.dtype), k_smem.at[slot], interpreted)
+            plgpu.barrier_arrive(free.at[slot])
+            return dq
+
+        own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
+        dq = as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+        dq = pipeline.walk(raw_first, wg_ref[batch, own, RAW_FULL_FIRST],
+                           wg_ref[batch, own, RAW_FULL_LAST], raw_first + n_raw, 0,
+                           functools.partial(step, visible=raw_visible), dq)
+        dq = pipeline.walk(core_first, wg_ref[batch, own, CORE_FULL_FIRST],
+                           wg_ref[batch, own, CORE_FULL_LAST], core_first + n_steps - n_raw,
+                           n_raw, functools.partial(step, visible=core_visible), dq)
+        q_tile[...] = (dq * scale).astype(q_ref.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        if wgs == 2:
+            plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
+        kv_head = head if groups == 1 else lax.div(head, jnp.int32(groups))
+
+        def copy(s, slot):
+            @pl.when(s < n_raw)
+            def _():
+                keys = pl.ds((raw_first + s) * bk, bk)
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+            @pl.when(s >= n_raw)
+            def _():
+                slots = pl.ds((core_first + s - n_raw) * bk, bk)
+                plgpu.copy_gmem_to_smem(ck_ref.at[batch, slots, head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(cv_ref.at[batch, slots, head], v_smem.at[slot],
+                                        v_ready.at[slot])
+        pipeline.produce(n_steps, stages, copy, free)
+
+
+def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBackwardConfig,
+       interpret=None):
+    """dq `[B, Lp, Hq, D]` (q's dtype) from padded inputs: q, dO `[B, Lp, Hq, D]`, k, v
+    `[B, Lp, Hkv, D]`, slots `[B, Mp, Hq, D]`, stats `[B, Hq, 2, Lp]` float32 (the forward's
+    log2-sum-exp, then delta = rowsum(dO * O)), bounds `[B, 3, Lp]`, and the forward's visit
+    tables at (`block_q`, `compute_wgs`, `block_kv`). `interpret`: None or the GPU
+    interpreter's params (products there are plain dots, `pipeline`)."""
+    b, lp, hq, d = q.shape
+    wgs, stages = cfg.compute_wgs, cfg.stages
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def tiles(n, rows):
+        return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)
+    scratch = (
+        tiles(wgs, cfg.block_q),                           # Q, then dQ
+        tiles(wgs, cfg.block_q),                           # dO
+        tiles(stages, cfg.block_kv),                       # K ring
+        tiles(stages, cfg.block_kv),                       # V ring
+        plgpu.SMEM((wgs, 3, cfg.block_q), jnp.int32),      # per-row bounds
+        plgpu.SMEM((wgs, 2, cfg.block_q), jnp.float32),    # log2-sum-exp, delta
+        plgpu.Barrier(num_barriers=wgs),                   # Q landed
+        plgpu.Barrier(num_barriers=wgs),                   # dO landed
+        plgpu.Barrier(num_barriers=wgs),                   # bounds landed
+        plgpu.Barrier(num_barriers=wgs),                   # stats landed
+        plgpu.Barrier(num_barriers=stages),                # K landed
+        plgpu.Barrier(num_barriers=stages),                # V landed
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # ring slot released
+    )
+    kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2],
+                               scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
+                               interpreted=interpret is not None)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=scratch,
+        grid=(hq, lp // (cfg.block_q * wgs), b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits)

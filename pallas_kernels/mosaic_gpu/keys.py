@@ -1,0 +1,181 @@
+"""The backward's key-side kernels on Mosaic GPU (sm_90): dk/dv over raw key blocks and
+dck/dcv over slot blocks, one kernel body for both.
+
+One CTA per (KV head for raw keys / query head for slots, `KEY_ROWS * compute_wgs` keys or
+slots, batch row). Each consumer warpgroup owns `KEY_ROWS` keys (K and V stay in shared
+memory) and accumulates their dK and dV in registers (float32): no atomics, and with GQA
+(raw keys) the G query heads of the KV head are walked one after another into the same
+accumulators, so K/V are never repeated. The producer (last warpgroup) streams, per step,
+one query block's Q, dO, row bounds and (log2-sum-exp, delta) into ring slot
+`step % stages`: step `s` is query head `s // n` of the group and query block
+`first + s % n`, the `n` blocks that see the CTA's keys (`tables.key_visit_tables`, from
+`cca_jax.blocks`). A slot block no row sees (padding; m = 0) has no steps: zeros.
+Per step, transposed (keys along rows): S^T = K Q^T, P^T = exp2(S^T c - lse), dV += P^T dO
+and dP^T = V dO^T (issued together), dS^T = P^T (dP^T - delta), dK += dS^T Q; masked only
+on edge blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu import pipeline
+from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig
+from pallas_kernels.mosaic_gpu.tables import Q_FIRST, Q_FULL_FIRST, Q_FULL_LAST, Q_LAST
+
+_LOG2E = math.log2(math.e)
+KINDS = ("raw", "core")
+
+
+def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
+            dk_ref, dv_ref,
+            k_smem, v_smem, q_smem, do_smem, rows_smem, stats_smem,
+            k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free,
+            *, cfg: MosaicBackwardConfig, kind: str, groups: int, scale: float,
+            interpreted: bool):
+    bk, bq, stages, wgs = KEY_ROWS, cfg.key_block_q, cfg.stages, cfg.compute_wgs
+    dtype = q_ref.dtype
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")     # the KV head (raw keys) or query head (slots)
+    wg = lax.axis_index("wg")
+    tile = lax.axis_index("key_tiles")
+    as_tile, _, as_cols = pipeline.layouts(interpreted)
+    first = cta_ref[batch, tile, Q_FIRST]
+    per_head = cta_ref[batch, tile, Q_LAST] - first     # query blocks per query head
+    n_steps = per_head * groups
+
+    @pl.when(wg < wgs)
+    def _consumer():
+        if wgs == 2:
+            plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
+        x0 = tile * (bk * wgs) + wg * bk
+        own_keys = pl.ds(x0, bk)
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, own_keys, head], k_tile, k_bar.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, own_keys, head], v_tile, v_bar.at[wg])
+        plgpu.barrier_wait(k_bar.at[wg])
+        plgpu.barrier_wait(v_bar.at[wg])
+        c = scale * _LOG2E
+
+        def wide(x):
+            return lax.broadcast_in_dim(x, (bk, bq), [1])
+
+        def iota(dim):
+            return as_tile(lax.broadcasted_iota(jnp.int32, (bk, bq), dim))
+
+        def visible(rows, r0):
+            keys = iota(0) + x0
+            if kind == "raw":
+                return (keys >= wide(as_cols(rows.at[0][...]))) & (keys <= iota(1) + r0)
+            return ((keys >= wide(as_cols(rows.at[1][...])))
+                    & (keys < wide(as_cols(rows.at[2][...]))))
+
+        def step(s, block, carry, masked):
+            dk, dv = carry
+            slot = lax.rem(s, jnp.int32(stages))
+            for ready in (q_ready, do_ready, rows_ready, stats_ready):
+                plgpu.barrier_wait(ready.at[slot])
+            q_tile, do_tile, stats = q_smem.at[slot], do_smem.at[slot], stats_smem.at[slot]
+            st = pipeline.scores(k_tile, q_tile, interpreted)
+            if masked:
+                st = jnp.where(visible(rows_smem.at[slot], block * bq), st, -jnp.inf)
+            pt = jnp.exp2(st * c - wide(as_cols(stats.at[0][...])))
+            dv, dpt = pipeline.accumulate_and_score(dv, pt.astype(dtype), do_tile, v_tile,
+                                                    do_tile, interpreted)
+            dst = pt * (dpt - wide(as_cols(stats.at[1][...])))
+            dk = pipeline.accumulate(dk, dst.astype(dtype), q_tile, interpreted)
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
+        full_first, full_last = wg_ref[batch, own, Q_FULL_FIRST], wg_ref[batch, own, Q_FULL_LAST]
+
+        def head_walk(gi, carry):
+            return pipeline.walk(first, full_first, full_last, first + per_head,
+                                 gi * per_head, step, carry)
+        zeros = as_tile(jnp.zeros((bk, k_ref.shape[-1]), jnp.float32))
+        carry = (zeros, zeros)
+        carry = head_walk(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_walk,
+                                                                      carry)
+        dk, dv = carry
+        k_tile[...] = (dk * scale).astype(dtype)
+        v_tile[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[batch, own_keys, head])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[batch, own_keys, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        if wgs == 2:
+            plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
+
+        def copy(s, slot):
+            gi = 0 if groups == 1 else lax.div(s, per_head)
+            rows = pl.ds((first + s - gi * per_head) * bq, bq)
+            q_head = head if groups == 1 else head * groups + gi
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[slot],
+                                    q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem.at[slot],
+                                    do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, rows], rows_smem.at[slot],
+                                    rows_ready.at[slot])
+            plgpu.copy_gmem_to_smem(stats_ref.at[batch, q_head, :, rows], stats_smem.at[slot],
+                                    stats_ready.at[slot])
+        pipeline.produce(n_steps, stages, copy, free)
+
+
+def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: str,
+              cfg: MosaicBackwardConfig, interpret=None):
+    """(dK, dV) shaped like `keys`, `values`: raw k, v `[B, Lp, Hkv, D]` (`kind="raw"`) or
+    slots ck, cv `[B, Mp, Hq, D]` (`kind="core"`), from padded q, dO `[B, Lp, Hq, D]`, stats
+    `[B, Hq, 2, Lp]` float32 (log2-sum-exp, delta), bounds `[B, 3, Lp]` and that kind's
+    `tables.key_visit_tables` (Lp and Mp multiples of `cfg.key_cta_rows` and
+    `cfg.key_block_q`). `interpret`: None or the GPU interpreter's params."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+    b, lp, hq, d = q.shape
+    heads = keys.shape[2]
+    wgs, stages = cfg.compute_wgs, cfg.stages
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def tiles(n, rows):
+        return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)
+    scratch = (
+        tiles(wgs, KEY_ROWS),                                  # K, then dK
+        tiles(wgs, KEY_ROWS),                                  # V, then dV
+        tiles(stages, cfg.key_block_q),                        # Q ring
+        tiles(stages, cfg.key_block_q),                        # dO ring
+        plgpu.SMEM((stages, 3, cfg.key_block_q), jnp.int32),   # per-row bounds ring
+        plgpu.SMEM((stages, 2, cfg.key_block_q), jnp.float32),  # lse, delta ring
+        plgpu.Barrier(num_barriers=wgs),                       # K landed
+        plgpu.Barrier(num_barriers=wgs),                       # V landed
+        plgpu.Barrier(num_barriers=stages),                    # Q landed
+        plgpu.Barrier(num_barriers=stages),                    # dO landed
+        plgpu.Barrier(num_barriers=stages),                    # bounds landed
+        plgpu.Barrier(num_barriers=stages),                    # stats landed
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # ring slot released
+    )
+    kernel = functools.partial(_kernel, cfg=cfg, kind=kind,
+                               groups=hq // heads if kind == "raw" else 1,
+                               scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
+                               interpreted=interpret is not None)
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+                  jax.ShapeDtypeStruct(values.shape, values.dtype)),
+        scratch_types=scratch,
+        grid=(heads, keys.shape[1] // cfg.key_cta_rows, b),
+        grid_names=("heads", "key_tiles", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, do, stats, bounds, keys, values, cta_visits, wg_visits)

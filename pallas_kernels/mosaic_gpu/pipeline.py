@@ -1,0 +1,111 @@
+"""Pieces the Mosaic GPU backward kernels share: layout casts, the two kinds of matrix
+product (wgmma on the GPU, plain dots under the GPU interpreter), the producer's ring of
+shared-memory buffers, and the split block walk of the consumers.
+
+Every backward kernel is one CTA of `compute_wgs` consumer warpgroups and one producer
+warpgroup (the last). The producer TMA-copies each step's operands into ring slot
+`step % stages` once every consumer has released that slot; the consumers walk the same
+steps (they share the ring) and mask what their own rows or keys do not see.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# FA3's register split when two consumers share an SM with the producer.
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+
+
+def layouts(interpreted: bool):
+    """(tile, rows, cols) casts: a wgmma tile's layout, and the layouts of vectors along its
+    rows (one value per row: broadcast over columns) and along its columns. The GPU
+    interpreter runs arrays without layouts (it has no rule for the cast): identities."""
+    if interpreted:
+        return (lambda x: x), (lambda x: x), (lambda x: x)
+    cast = plgpu.layout_cast
+    return (functools.partial(cast, new_layout=plgpu.Layout.WGMMA),
+            functools.partial(cast, new_layout=plgpu.Layout.WGMMA.reduce(1)),
+            functools.partial(cast, new_layout=plgpu.Layout.WGMMA.reduce(0)))
+
+
+def scores(a_smem, b_smem, interpreted: bool):
+    """float32 `a @ b.T` of two shared-memory tiles `[M, D]`, `[N, D]`: wgmma with a
+    transposed B operand, or (interpreter: no transposed wgmma operands there) a plain dot."""
+    if interpreted:
+        return lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    shape = (a_smem.shape[0], b_smem.shape[0])
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate(acc, a, b_smem, interpreted: bool):
+    """`acc + a @ b` with `a` in registers `[M, K]` (the operand dtype) and `b` a
+    shared-memory tile `[K, N]`: wgmma accumulating in place, or (interpreter: no run_state
+    there) a plain dot added."""
+    if interpreted:
+        return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_smem)
+    return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
+def accumulate_and_score(acc, a, b_smem, c_smem, d_smem, interpreted: bool):
+    """(`acc + a @ b`, float32 `c @ d.T`): on the GPU both wgmmas are issued before one wait
+    (the dk/dv step's dV += P^T dO and dP^T = V dO^T, as jax's attention_mgpu pairs them);
+    under the interpreter `accumulate` and `scores`."""
+    if interpreted:
+        return accumulate(acc, a, b_smem, True), scores(c_smem, d_smem, True)
+
+    def products(refs):
+        acc_ref, scores_ref = refs
+        plgpu.wgmma(acc_ref, a, b_smem)
+        plgpu.wgmma(scores_ref, c_smem, d_smem.transpose((1, 0)))
+    zeros = plgpu.layout_cast(jnp.zeros((c_smem.shape[0], d_smem.shape[0]), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    return pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
+
+
+def produce(n_steps, stages: int, copy, free) -> None:
+    """The producer's loop: `copy(step, slot)` issues step's TMA copies into ring slot
+    `step % stages`, after the consumers released the slot's previous step on `free`.
+    Finally awaits the releases of the last steps too, so every phase of `free` is observed
+    (the GPU interpreter checks that). `n_steps` may be 0."""
+    for s in range(stages):     # fill the ring
+        @pl.when(s < n_steps)
+        def _():
+            copy(jnp.int32(s), s)
+
+    def refill(s, _):
+        slot = lax.rem(s, jnp.int32(stages))
+        plgpu.barrier_wait(free.at[slot])
+        copy(s, slot)
+    lax.fori_loop(jnp.int32(stages), jnp.maximum(n_steps, stages), refill, None)
+
+    def drain(s, _):
+        plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
+
+
+def walk(first, full_first, full_last, last, offset, step, carry):
+    """`step(s, block, carry, masked)` over blocks `[first, last)` (ring step `s = block -
+    first + offset`); masked (a Python bool) outside `[full_first, full_last)`, which is
+    clipped into the walk first (a warpgroup's own full range inside its CTA's walk)."""
+    full_first = jnp.clip(full_first, first, last)
+    full_last = jnp.clip(full_last, full_first, last)
+
+    def body(masked):
+        return lambda j, carry: step(j - first + offset, j, carry, masked)
+    carry = lax.fori_loop(first, full_first, body(True), carry)
+    carry = lax.fori_loop(full_first, full_last, body(False), carry)
+    return lax.fori_loop(full_last, last, body(True), carry)
