@@ -74,10 +74,11 @@ class MosaicDecodeConfig(NamedTuple):
 
 
 def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one program: K/V buffers, the query tile, the float32 output tile,
-    max and sum, barriers."""
-    tiles = (2 * cfg.stages * cfg.block + _ROWS) * head_dim * itemsize
-    return tiles + _ROWS * head_dim * 4 + 2 * _ROWS * 4 + (2 * cfg.stages + 1) * 8
+    """Shared memory of one program: the query tile, barriers, and the K/V buffers or (after
+    them, in the same space) the float32 output tile with max and sum."""
+    buffers = 2 * cfg.stages * cfg.block * head_dim * itemsize
+    out = _ROWS * head_dim * 4 + 2 * _ROWS * 4
+    return _ROWS * head_dim * itemsize + (2 * cfg.stages + 1) * 8 + max(buffers, out)
 
 
 def decode_config(**fields) -> MosaicDecodeConfig:
@@ -136,11 +137,41 @@ def _layouts(interpreted: bool):
 
 
 def _kernel(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, acc_ref, ml_ref,
-            q_smem, k_smem, v_smem, o_smem, ml_smem, q_bar, ring_bar, slot_bar,
-            *, ring: int, ring_rows: int, slot_rows: int, groups: int, splits: int,
-            cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
-    """One (KV head, split, row): the split's share of the row's steps (module docstring)."""
-    bk, stages, g_rows = cfg.block, cfg.stages, groups
+            q_smem, q_bar, ring_bar, slot_bar, *, ring: int, ring_rows: int, slot_rows: int,
+            groups: int, splits: int, cfg: MosaicDecodeConfig, scale: float,
+            interpreted: bool):
+    """One (KV head, split, row): the split's share of the row's steps (module docstring).
+    The K/V buffers and the float32 output tile are scoped one after the other, so that
+    they share shared memory."""
+    d = q_ref.shape[-1]
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    buffers = plgpu.SMEM((cfg.stages, cfg.block, d), k_ref.dtype, transforms=transforms)
+    acc, m_i, l_i = pl.run_scoped(
+        functools.partial(_attend, table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, q_smem,
+                          q_bar, ring_bar, slot_bar, ring=ring, ring_rows=ring_rows,
+                          slot_rows=slot_rows, groups=groups, splits=splits, cfg=cfg,
+                          scale=scale, interpreted=interpreted),
+        buffers, buffers)
+    batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
+
+    def write(o_smem, ml_smem):
+        o_smem[...] = acc
+        ml_smem.at[0][...] = m_i
+        ml_smem.at[1][...] = l_i
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, groups)], acc_ref.at[batch, kvh, split])
+        plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, kvh, split])
+        plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(write, plgpu.SMEM((_ROWS, d), jnp.float32),
+                  plgpu.SMEM((2, _ROWS), jnp.float32))
+
+
+def _attend(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, q_smem, q_bar, ring_bar,
+            slot_bar, k_smem, v_smem, *, ring: int, ring_rows: int, slot_rows: int,
+            groups: int, splits: int, cfg: MosaicDecodeConfig, scale: float,
+            interpreted: bool):
+    """The pipelined walk over the split's steps: its (acc, max, sum), 64 rows."""
+    bk, stages = cfg.block, cfg.stages
     per_head = bk // groups                                  # slots of one head per step
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
     as_tile, as_rows = _layouts(interpreted)
@@ -248,14 +279,7 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, acc_ref, ml_ref,
         i, cr, ring_bar, lambda i: ring_visible(i)), carry)
     carry = lax.fori_loop(jnp.maximum(s0, n_ring), s1, lambda i, cr: step(
         i, cr, slot_bar, lambda i: slot_visible(i - n_ring)), carry)
-    acc, m_i, l_i = carry
-    o_smem[...] = acc
-    ml_smem.at[0][...] = m_i
-    ml_smem.at[1][...] = l_i
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, g_rows)], acc_ref.at[batch, kvh, split])
-    plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, kvh, split])
-    plgpu.wait_smem_to_gmem(0)
+    return carry
 
 
 def _partials(table, q_rows, k_ring, v_ring, ck, cv, *, ring: int, groups: int, splits: int,
@@ -264,13 +288,8 @@ def _partials(table, q_rows, k_ring, v_ring, ck, cv, *, ring: int, groups: int, 
     b, hkv, _, d = q_rows.shape
     slot_axis = 2 if cfg.slot_layout == "bchd" else 3
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    dtype = k_ring.dtype
     scratch = (
-        plgpu.SMEM((_ROWS, d), dtype, transforms=transforms),              # queries
-        plgpu.SMEM((cfg.stages, cfg.block, d), dtype, transforms=transforms),   # K buffers
-        plgpu.SMEM((cfg.stages, cfg.block, d), dtype, transforms=transforms),   # V buffers
-        plgpu.SMEM((_ROWS, d), jnp.float32),                                # acc out
-        plgpu.SMEM((2, _ROWS), jnp.float32),                                # max, sum out
+        plgpu.SMEM((_ROWS, d), k_ring.dtype, transforms=transforms),       # queries
         plgpu.Barrier(),                                                    # queries landed
         plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),             # ring K, V landed
         plgpu.Barrier(num_arrivals=2 * groups, num_barriers=cfg.stages),    # slots landed
