@@ -303,8 +303,8 @@ def _gpu_case(hkv, positions, layers, seed):
                          ids=["default", "block64_stages4", "one_split"])
 def test_gpu_matches_float64_and_triton(hkv, tiling):
     """7B per-layer call at 128K: Hq = 32, D = 128, R = 1040, C = 8192, stacked cache of 2
-    layers read at layer 1, bf16; each row and query head within 2e-3 of float64 and of the
-    Triton decode kernel (relative to its norm)."""
+    layers read at layer 1, bf16; each row and query head within 2e-3 of float64 and 4e-3 of
+    the Triton decode kernel (relative to its norm; each rounds its probabilities to bf16)."""
     from pallas_kernels.gpu import decode_attention_pallas_gpu
     layer = 1
     for i, positions in enumerate(GPU_POSITIONS):
@@ -321,7 +321,7 @@ def test_gpu_matches_float64_and_triton(hkv, tiling):
               f"vs Triton {vs_triton:.2e} (Triton vs float64 "
               f"{row_errors(triton, ref).max():.2e})")
         assert err <= ROW_TOL["bfloat16"], err
-        assert vs_triton <= ROW_TOL["bfloat16"], vs_triton
+        assert vs_triton <= 2 * ROW_TOL["bfloat16"], vs_triton   # both round P to bf16
 
 
 @pytest.mark.gpu

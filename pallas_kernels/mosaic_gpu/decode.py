@@ -52,7 +52,7 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ROWS = 64                        # wgmma's M: the query heads of a KV head, zero-padded
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30                 # running max of a program that saw nothing
-_TARGET_PROGRAMS = 264            # automatic splits aim at 2 CTAs per SM of an H200 (132)
+_H200_SMS = 132                   # SMs assumed where no GPU is attached (cross-lowering)
 # Table columns (per row, int32): the clipped bounds and the layer index.
 _FIRST, _COUNT, _SLOTS, _LAYER = range(4)
 
@@ -63,8 +63,8 @@ class MosaicDecodeConfig(NamedTuple):
     block: key rows per pipeline step (the wgmma N and K): ring entries, or `block / G`
         slots of each of a KV head's G query heads (so `block / G` must be a multiple of 8).
     stages: shared-memory buffers of K and V in flight (>= 2).
-    splits: programs per (row, KV head) sharing the row's steps; None: enough programs to
-        fill the GPU (`resolve_splits`).
+    splits: programs per (row, KV head) sharing the row's steps; None: whole waves of
+        programs that fill the GPU (`resolve_splits`).
     slot_layout: "bchd" (KVCache: `[.., B, C, Hq, D]`) or "bhcd" (`[.., B, Hq, C, D]`).
     """
     block: int = 128
@@ -117,14 +117,32 @@ def check_shapes(cfg: MosaicDecodeConfig, groups: int, head_dim: int, itemsize: 
             f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block.")
 
 
+def gpu_slots(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Programs the GPU runs at once: SMs (this process's first GPU, else an H200's 132)
+    times the CTAs of this shared-memory size an SM holds (228 KiB, 1 KiB reserved each)."""
+    try:
+        sms = int(getattr(jax.devices()[0], "core_count", 0) or 0)
+    except RuntimeError:
+        sms = 0
+    if jax.default_backend() != "gpu" or sms <= 0:
+        sms = _H200_SMS
+    per_sm = max(1, (228 * 1024) // (shared_memory_bytes(cfg, head_dim, itemsize) + 1024))
+    return sms * per_sm
+
+
 def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int,
-                   num_slots: int, groups: int) -> int:
-    """The config's splits, or enough to give `_TARGET_PROGRAMS` programs without more
-    splits than a full row has steps."""
+                   num_slots: int, groups: int, slots_at_once: int) -> int:
+    """The config's splits, or the smallest count whose waves of equal programs fill the
+    GPU within 5% of the best (`slots_at_once` programs run together; a program per
+    (row, KV head) is `batch * kv_heads`), at most the steps of a full row."""
     if cfg.splits is not None:
         return cfg.splits
     steps = -(-ring // cfg.block) + 1 + -(-num_slots // (cfg.block // groups))
-    return max(1, min(-(-_TARGET_PROGRAMS // (batch * kv_heads)), steps))
+    programs = batch * kv_heads
+    top = max(1, min(steps, -(-8 * slots_at_once // programs)))
+    cost = {s: -(-programs * s // slots_at_once) / s for s in range(1, top + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= 1.05 * best)
 
 
 def _layouts(interpreted: bool):
@@ -329,11 +347,10 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, pad)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "stacked", "out_dtype", "interpret"))
-def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeConfig,
-                     stacked: bool, out_dtype=jnp.float32, interpret=None):
-    """Checked inputs (cache arrays `[L, B, ...]` when `stacked`, else `[B, ...]`) ->
-    `[B, Hq, D]` in `out_dtype`: the attention kernel and the merge, in one jit."""
+def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeConfig,
+                    stacked: bool, interpret=None):
+    """Checked inputs (cache arrays `[L, B, ...]` when `stacked`, else `[B, ...]`) -> the
+    attention kernel's partials (`_partials`), before the merge (benchmarks time both)."""
     if not stacked:
         k_ring, v_ring, ck, cv = (x[None] for x in (k_ring, v_ring, ck, cv))
     b, hq, d = q.shape
@@ -349,9 +366,19 @@ def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecode
     table = jnp.stack([jnp.clip(first, 0, ring - 1), jnp.clip(count, 1, ring),
                        jnp.clip(slots, 0, num_slots), jnp.broadcast_to(layer, (b,))], axis=1)
     q_rows = _pad_axis(q.astype(k_ring.dtype).reshape(b, hkv, groups, d), 2, _ROWS)
-    splits = resolve_splits(cfg, b, hkv, ring, num_slots, groups)
-    acc, ml = _partials(table, q_rows, k_ring, v_ring, ck, cv, ring=ring, groups=groups,
-                        splits=splits, cfg=cfg, interpret=interpret)
+    splits = resolve_splits(cfg, b, hkv, ring, num_slots, groups,
+                            gpu_slots(cfg, d, k_ring.dtype.itemsize))
+    return _partials(table, q_rows, k_ring, v_ring, ck, cv, ring=ring, groups=groups,
+                     splits=splits, cfg=cfg, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "stacked", "out_dtype", "interpret"))
+def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeConfig,
+                     stacked: bool, out_dtype=jnp.float32, interpret=None):
+    """Checked inputs -> `[B, Hq, D]` in `out_dtype`: the attention kernel and the merge,
+    in one jit."""
+    acc, ml = decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg, stacked,
+                              interpret)
     return _merge(acc, ml, out_dtype)
 
 
