@@ -53,8 +53,6 @@ _ROWS = 64                        # wgmma's M: the query heads of a KV head, zer
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30                 # running max of a program that saw nothing
 _H200_SMS = 132                   # SMs assumed where no GPU is attached (cross-lowering)
-# Table columns (per row, int32): the clipped bounds and the layer index.
-_FIRST, _COUNT, _SLOTS, _LAYER = range(4)
 
 
 class MosaicDecodeConfig(NamedTuple):
@@ -154,22 +152,22 @@ def _layouts(interpreted: bool):
             functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _kernel(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, acc_ref, ml_ref,
-            q_smem, q_bar, ring_bar, slot_bar, *, ring: int, ring_rows: int, slot_rows: int,
-            groups: int, splits: int, cfg: MosaicDecodeConfig, scale: float,
-            interpreted: bool):
+def _kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref,
+            acc_ref, ml_ref, q_smem, q_bar, ring_bar, slot_bar, *, ring: int, num_slots_cap: int,
+            ring_rows: int, slot_rows: int, groups: int, splits: int,
+            cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
     """One (KV head, split, row): the split's share of the row's steps (module docstring).
     The K/V buffers and the float32 output tile are scoped one after the other, so that
     they share shared memory."""
     d = q_ref.shape[-1]
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     buffers = plgpu.SMEM((cfg.stages, cfg.block, d), k_ref.dtype, transforms=transforms)
-    acc, m_i, l_i = pl.run_scoped(
-        functools.partial(_attend, table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, q_smem,
-                          q_bar, ring_bar, slot_bar, ring=ring, ring_rows=ring_rows,
-                          slot_rows=slot_rows, groups=groups, splits=splits, cfg=cfg,
-                          scale=scale, interpreted=interpreted),
-        buffers, buffers)
+    attend = functools.partial(
+        _attend, layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref,
+        cv_ref, q_smem, q_bar, ring_bar, slot_bar, ring=ring, num_slots_cap=num_slots_cap,
+        ring_rows=ring_rows, slot_rows=slot_rows, groups=groups, splits=splits, cfg=cfg,
+        scale=scale, interpreted=interpreted)
+    acc, m_i, l_i = pl.run_scoped(attend, buffers, buffers)
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
 
     def write(o_smem, ml_smem):
@@ -184,17 +182,20 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, acc_ref, ml_ref,
                   plgpu.SMEM((2, _ROWS), jnp.float32))
 
 
-def _attend(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, q_smem, q_bar, ring_bar,
-            slot_bar, k_smem, v_smem, *, ring: int, ring_rows: int, slot_rows: int,
-            groups: int, splits: int, cfg: MosaicDecodeConfig, scale: float,
-            interpreted: bool):
+def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref,
+            q_smem, q_bar, ring_bar, slot_bar, k_smem, v_smem, *, ring: int,
+            num_slots_cap: int, ring_rows: int, slot_rows: int, groups: int, splits: int,
+            cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
     """The pipelined walk over the split's steps: its (acc, max, sum), 64 rows."""
     bk, stages = cfg.block, cfg.stages
     per_head = bk // groups                                  # slots of one head per step
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
     as_tile, as_rows = _layouts(interpreted)
-    first, count = table_ref[batch, _FIRST], table_ref[batch, _COUNT]
-    num_slots, layer = table_ref[batch, _SLOTS], table_ref[batch, _LAYER]
+    # The row's bounds and the layer, clipped into the cache: no copy reads outside it.
+    first = jnp.clip(first_ref[batch], 0, ring - 1)
+    count = jnp.clip(count_ref[batch], 1, ring)
+    num_slots = jnp.clip(slots_ref[batch], 0, num_slots_cap)
+    layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
 
     # The row's steps: ring blocks rb0 .. rb0 + n_ring (all of them when the visible entries
     # wrap past the ring's end), then slot blocks 0 .. n_slot.
@@ -300,9 +301,10 @@ def _attend(table_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref, q_smem, q_bar, ring_
     return carry
 
 
-def _partials(table, q_rows, k_ring, v_ring, ck, cv, *, ring: int, groups: int, splits: int,
-              cfg: MosaicDecodeConfig, interpret):
-    """Partials: acc `[B, Hkv, splits, G, D]`, (max, sum) `[B, Hkv, splits, 2, 64]` f32."""
+def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_slots: int,
+              groups: int, splits: int, cfg: MosaicDecodeConfig, interpret):
+    """Partials: acc `[B, Hkv, splits, G, D]`, (max, sum) `[B, Hkv, splits, 2, 64]` f32.
+    layer: int32 `[1]`; bounds: three int32 `[B]` (clipped in the kernel)."""
     b, hkv, _, d = q_rows.shape
     slot_axis = 2 if cfg.slot_layout == "bchd" else 3
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -313,7 +315,8 @@ def _partials(table, q_rows, k_ring, v_ring, ck, cv, *, ring: int, groups: int, 
         plgpu.Barrier(num_arrivals=2 * groups, num_barriers=cfg.stages),    # slots landed
     )
     kernel = functools.partial(
-        _kernel, ring=ring, ring_rows=k_ring.shape[2], slot_rows=ck.shape[slot_axis],
+        _kernel, ring=ring, num_slots_cap=num_slots, ring_rows=k_ring.shape[2],
+        slot_rows=ck.shape[slot_axis],
         groups=groups, splits=splits, cfg=cfg, scale=1.0 / math.sqrt(d),
         interpreted=interpret is not None)
     return plgpu.kernel(
@@ -325,7 +328,7 @@ def _partials(table, q_rows, k_ring, v_ring, ck, cv, *, ring: int, groups: int, 
         grid_names=("kv_heads", "splits", "batch"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(table, q_rows, k_ring, v_ring, ck, cv)
+    )(layer, *bounds, q_rows, k_ring, v_ring, ck, cv)
 
 
 def _merge(acc, ml, out_dtype):
@@ -361,15 +364,14 @@ def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeC
     # Caches smaller than one block: zero-padded (a few KiB; never visible).
     k_ring, v_ring = (_pad_axis(x, 2, cfg.block) for x in (k_ring, v_ring))
     ck, cv = (_pad_axis(x, slot_axis, cfg.block // groups) for x in (ck, cv))
-    first, count, slots = (jnp.asarray(x).astype(jnp.int32) for x in bounds)
-    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_ring.shape[0] - 1)
-    table = jnp.stack([jnp.clip(first, 0, ring - 1), jnp.clip(count, 1, ring),
-                       jnp.clip(slots, 0, num_slots), jnp.broadcast_to(layer, (b,))], axis=1)
+    bounds = [jnp.asarray(x).astype(jnp.int32) for x in bounds]   # no-ops on int32
+    layer = jnp.asarray(layer).astype(jnp.int32).reshape(1)
     q_rows = _pad_axis(q.astype(k_ring.dtype).reshape(b, hkv, groups, d), 2, _ROWS)
     splits = resolve_splits(cfg, b, hkv, ring, num_slots, groups,
                             gpu_slots(cfg, d, k_ring.dtype.itemsize))
-    return _partials(table, q_rows, k_ring, v_ring, ck, cv, ring=ring, groups=groups,
-                     splits=splits, cfg=cfg, interpret=interpret)
+    return _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, ring=ring,
+                     num_slots=num_slots, groups=groups, splits=splits, cfg=cfg,
+                     interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "stacked", "out_dtype", "interpret"))
