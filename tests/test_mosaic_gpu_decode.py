@@ -25,7 +25,7 @@ from cca_jax import blocks
 from cca_jax.blocks import DecodeBounds
 from pallas_kernels.mosaic_gpu.decode import (SMEM_LIMIT_BYTES, MosaicDecodeConfig,
                                               decode_attention_mosaic_gpu, decode_config,
-                                              shared_memory_bytes)
+                                              decode_refusal, shared_memory_bytes)
 
 S = jax.ShapeDtypeStruct
 
@@ -261,6 +261,17 @@ def test_input_errors_name_the_fix():
         call(q, k, v, ck, cv, bounds, block=256, stages=4)
     with pytest.raises(ValueError, match=r"block / G must be a multiple of 8\); use block in"):
         call(*_small(hq=8, hkv=1), block=32)    # G = 8: 4 slots of a head per step
+
+
+def test_decode_refusal_says_why():
+    assert decode_refusal(jnp.bfloat16, 128, 32, 8) is None
+    assert decode_refusal(jnp.float16, 64, 32, 32) is None
+    assert "float32" in decode_refusal(jnp.float32, 128, 32, 8)
+    assert "head_dim" in decode_refusal(jnp.bfloat16, 256, 32, 8)
+    assert "multiple of Hkv" in decode_refusal(jnp.bfloat16, 128, 12, 8)
+    assert "block / G" in decode_refusal(jnp.bfloat16, 128, 32, 1)        # G = 32
+    assert "shared memory" in decode_refusal(jnp.bfloat16, 128, 32, 1, block=256)
+    assert decode_refusal(jnp.bfloat16, 64, 32, 1, block=256) is None
 
 
 # ---- on a Hopper GPU ----------------------------------------------------------------------

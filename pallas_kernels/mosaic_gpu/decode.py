@@ -128,6 +128,23 @@ def gpu_slots(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
     return sms * per_sm
 
 
+def decode_refusal(dtype, head_dim: int, q_heads: int, kv_heads: int, **tiling) -> str | None:
+    """None if the kernel takes this cache (at `tiling`), else why not: for a backend that
+    falls back to the Triton decode kernel (`implementation='pallas_gpu'`) instead."""
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"it takes a bfloat16 or float16 cache, not {jnp.dtype(dtype).name}"
+    if head_dim not in HEAD_DIMS:
+        return f"it supports head_dim in {HEAD_DIMS}, not {head_dim}"
+    if kv_heads < 1 or q_heads % kv_heads:
+        return f"Hq = {q_heads} is not a multiple of Hkv = {kv_heads}"
+    try:
+        check_shapes(decode_config(**tiling), q_heads // kv_heads, head_dim,
+                     jnp.dtype(dtype).itemsize)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int,
                    num_slots: int, groups: int, slots_at_once: int) -> int:
     """The config's splits, or the smallest count whose waves of equal programs fill the
