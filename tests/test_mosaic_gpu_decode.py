@@ -119,33 +119,35 @@ def _check_interpreted(bounds, *, b=2, hq=4, hkv=2, d=64, ring=48, num_slots=20,
 
 # ---- CPU: the kernel in jax's GPU interpreter ---------------------------------------------
 
-# (ring_first, ring_count, num_slots) per row, R = 48, C = 20.
+# (ring_first, ring_count, num_slots) per row; R = 48, C = 20 unless given.
 INTERPRETED = {
     # row 0 wraps (40 + 20 > 48) with no slot; row 1: one ring entry, every slot.
-    "wrap_no_slots_one_entry": dict(bounds=([40, 5], [20, 1], [0, 20]), block=32, splits=2),
+    "wrap_no_slots_one_entry": dict(bounds=([40, 5], [20, 1], [0, 20]), splits=2),
     # the whole ring (wrapping at 13), a ragged slot count; 4 splits, 3 stages.
-    "full_ring_many_splits": dict(bounds=([13, 47], [48, 1], [13, 20]), block=32, splits=4,
-                                  stages=3),
-    # MQA (G = 4: 8 slots per head a step), a 2-entry wrap, 3 splits (one empty).
-    "mqa": dict(bounds=([47, 0], [2, 48], [17, 3]), hkv=1, block=32, splits=3),
+    "full_ring_many_splits": dict(bounds=([13, 47], [48, 1], [13, 20]), splits=4, stages=3),
+    # MQA (G = 4: 16 slots of each head a step), a 2-entry wrap, 3 splits (one empty).
+    "mqa": dict(bounds=([47, 0], [2, 48], [17, 3]), hkv=1, splits=3),
     # MHA and no slots at all in the cache (C = 0), default splits.
-    "mha_no_slot_cache": dict(bounds=([10, 30], [30, 48], [0, 0]), hkv=4, num_slots=0,
-                              block=32),
+    "mha_no_slot_cache": dict(bounds=([10, 30], [30, 48], [0, 0]), hkv=4, num_slots=0),
+    # R = 100, C = 40: two ring blocks (the second starts at 36 and masks the overlap), two
+    # slot blocks of 32 per head (the second starts at 8), a wrap across both ring blocks.
+    "several_blocks": dict(bounds=([90, 20], [60, 80], [40, 33]), ring=100, num_slots=40,
+                           splits=2, stages=2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
 def test_interpreted_matches_float64(name):
-    """Hand-made bounds at B = 2, Hq = 4, D = 64, R = 48, C = 20: blocks of 32 ring entries
-    (the last one starts early and masks the overlap), per-head slot blocks, splits that
-    cut ring and slot steps, empty splits."""
+    """Hand-made bounds at B = 2, Hq = 4, D = 64, block 64 (rings and slot caches smaller
+    than a block are zero-padded): wraps, per-head slot blocks, splits that cut ring and
+    slot steps, empty splits."""
     case = dict(INTERPRETED[name])
-    _check_interpreted(case.pop("bounds"), **case)
+    _check_interpreted(case.pop("bounds"), block=64, **case)
 
 
 def test_interpreted_stacked_cache_head_major_slots_bf16_out():
-    """Stacked `[L, B, ...]` cache read at a traced layer, slots `[L, B, Hq, C, D]`, default
-    block (128: ring and slots zero-padded up to a block), bf16 out."""
+    """Stacked `[L, B, ...]` cache read at a traced layer, slots `[L, B, Hq, C, D]`, bf16
+    out."""
     _check_interpreted(([40, 5], [20, 7], [20, 9]), layers=3, layer=2, slot_layout="bhcd",
                        out_dtype=jnp.bfloat16, block=64)
 
@@ -166,7 +168,7 @@ def test_interpreted_cca_positions_against_the_spec_oracle():
         t = np.asarray(positions)
         bounds = blocks.decode_bounds(pattern, t, ring, num_slots)
         _check_interpreted(bounds, b=4, masks=oracle.cache_masks(pattern, t, ring, num_slots),
-                           seed=10 + i, block=32, splits=2)
+                           seed=10 + i, block=64, splits=2)
 
 
 # ---- CPU: cross-lowering for "cuda" ----------------------------------------------------------
@@ -220,6 +222,7 @@ def test_config_defaults_fit_shared_memory():
 
 @pytest.mark.parametrize("fields,match", [
     (dict(block=48), "block must be one of"),
+    (dict(block=32), "block must be one of"),
     (dict(block=True), "block must be one of"),
     (dict(stages=1), "stages must be from 2 to 8"),
     (dict(stages=2.0), "stages must be a positive int"),
@@ -260,7 +263,7 @@ def test_input_errors_name_the_fix():
     with pytest.raises(ValueError, match="shared memory.*lower stages or block"):
         call(q, k, v, ck, cv, bounds, block=256, stages=4)
     with pytest.raises(ValueError, match=r"block / G must be a multiple of 8\); use block in"):
-        call(*_small(hq=8, hkv=1), block=32)    # G = 8: 4 slots of a head per step
+        call(*_small(hq=16, hkv=1), block=64)    # G = 16: 4 slots of a head per step
 
 
 def test_decode_refusal_says_why():

@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from cca_jax.blocks import DecodeBounds
 
 HEAD_DIMS = (64, 128)
-BLOCKS = (32, 64, 128, 256)
+BLOCKS = (64, 128, 256)    # the value product's K: a multiple of 64 (128-byte swizzle)
 SLOT_LAYOUTS = ("bchd", "bhcd")   # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
 SMEM_LIMIT_BYTES = 227 * 1024     # sm_90's shared memory per CTA
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
