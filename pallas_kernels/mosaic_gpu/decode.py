@@ -27,6 +27,9 @@ Built for bandwidth (decode is memory-bound), split over the context like flash-
 A block never crosses the end of the ring or the slots: the last one starts earlier
 (`min(j * block, N - block)`) and masks what the previous block already covered, so no copy
 reads out of bounds (caches smaller than a block are zero-padded in XLA: tiny by definition).
+Invisible entries inside a visited block are read and masked by score (p = 0), so they must
+be finite, as a `KVCache`'s are (zero-initialised, then written); the Triton kernel masks
+its loads instead. Notes, limits and measurements to make: DECODE-NOTES.md.
 """
 
 from __future__ import annotations
@@ -434,6 +437,7 @@ def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     the stacked `[L, B, ...]` ones of `KVCache`, read in place at layer `layer` (int or int
     scalar, traced or not). bfloat16 or float16, one dtype; D in `HEAD_DIMS` (the cache is
     stored at the model's D: others go to implementation='pallas_gpu' or 'xla').
+    Invisible ring entries and slots must be finite (module docstring).
     tiling: `MosaicDecodeConfig` fields (block, stages, splits, slot_layout). interpret:
     None/False compiles for the GPU (lowers for "cuda" anywhere); True (or an
     `InterpretGPUParams`) runs jax's GPU interpreter on the CPU (tiny shapes only).
