@@ -1,0 +1,479 @@
+"""Decode attention against the KV cache as a Mosaic GPU kernel (sm_90: wgmma, TMA, mbarriers).
+
+Same contract as `pallas_kernels.gpu.decode.decode_attention_pallas_gpu` (the Triton one):
+one query per row (`[B, Hq, D]`) attends with one float32 softmax to the visible ring
+entries `(ring_first + i) % R`, `i < ring_count` (`[.., B, R, Hkv, D]`, per KV head) and the
+visible slots `[0, num_slots)` (`[.., B, C, Hq, D]`, per query head) given by
+`cca_jax.blocks.decode_bounds`; the cache may be stacked over layers (`layer=`).
+
+Built for bandwidth (decode is memory-bound), split over the context like flash-decoding:
+  attention  grid (KV head, split, row). A program serves ALL G = Hq / Hkv query heads of
+             its KV head: the G queries are rows of a 64-row tile (wgmma's M, rows >= G
+             zero), so each ring block is read from memory once per KV head (the Triton
+             kernel reads it once per query head and leans on L2). Every step brings
+             `block` key rows and `block` value rows into shared memory by TMA, through a
+             ring of `stages` buffers (copies for step i + stages are issued as step i ends):
+               ring step  `block` entries of the KV head (one 2-D copy each of K and V);
+               slot step  `block / G` slots of each of the G query heads (G copies each), so
+                          that key row `g * block/G + j` belongs to head g: S = Q K^T on
+                          wgmma gives every head's scores in its own row, the others masked,
+                          and P V sums only a head's own slots into its row.
+             So all steps cost the same bytes and one wgmma shape serves both. The row's
+             steps (ring blocks, then slot blocks) are shared equally among the splits;
+             each program writes its unnormalised partial (acc, running max in log2 units,
+             sum).
+  merge      the exact softmax over the splits' partials, in XLA (a few small fusions: the
+             partials are ~1% of the bytes the attention kernel reads).
+A block never crosses the end of the ring or the slots: the last one starts earlier
+(`min(j * block, N - block)`) and masks what the previous block already covered, so no copy
+reads out of bounds (caches smaller than a block are zero-padded in XLA: tiny by definition).
+Invisible entries inside a visited block are read and masked by score (p = 0), so they must
+be finite, as a `KVCache`'s are (zero-initialised, then written); the Triton kernel masks
+its loads instead. Notes, limits and measurements to make: DECODE-NOTES.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from cca_jax.blocks import DecodeBounds
+
+HEAD_DIMS = (64, 128)
+BLOCKS = (64, 128, 256)    # the value product's K: a multiple of 64 (128-byte swizzle)
+SLOT_LAYOUTS = ("bchd", "bhcd")   # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
+SMEM_LIMIT_BYTES = 227 * 1024     # sm_90's shared memory per CTA
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_ROWS = 64                        # wgmma's M: the query heads of a KV head, zero-padded
+_LOG2E = math.log2(math.e)
+_MAX_INIT = -1e30                 # running max of a program that saw nothing
+_H200_SMS = 132                   # SMs assumed where no GPU is attached (cross-lowering)
+
+
+class MosaicDecodeConfig(NamedTuple):
+    """Static tiling of the Mosaic GPU decode kernel (hashable).
+
+    block: key rows per pipeline step (the wgmma N and K): ring entries, or `block / G`
+        slots of each of a KV head's G query heads (so `block / G` must be a multiple of 8).
+    stages: shared-memory buffers of K and V in flight (>= 2).
+    splits: programs per (row, KV head) sharing the row's steps; None: whole waves of
+        programs that fill the GPU (`resolve_splits`).
+    slot_layout: "bchd" (KVCache: `[.., B, C, Hq, D]`) or "bhcd" (`[.., B, Hq, C, D]`).
+    """
+    block: int = 128
+    stages: int = 2
+    splits: int | None = None
+    slot_layout: str = "bchd"
+
+
+def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: the query tile, barriers, and the K/V buffers or (after
+    them, in the same space) the float32 output tile with max and sum."""
+    buffers = 2 * cfg.stages * cfg.block * head_dim * itemsize
+    out = _ROWS * head_dim * 4 + 2 * _ROWS * 4
+    return _ROWS * head_dim * itemsize + (2 * cfg.stages + 1) * 8 + max(buffers, out)
+
+
+def decode_config(**fields) -> MosaicDecodeConfig:
+    """A checked MosaicDecodeConfig with `fields` overriding its defaults (None ignored)."""
+    fields = {name: value for name, value in fields.items() if value is not None}
+    for name, value in fields.items():
+        if name not in MosaicDecodeConfig._fields:
+            raise ValueError(f"unknown Mosaic GPU decode setting {name!r}; the settings are "
+                             f"{MosaicDecodeConfig._fields}.")
+        if name == "block" and (isinstance(value, bool) or value not in BLOCKS):
+            raise ValueError(f"block must be one of {BLOCKS}, got {value!r}.")
+        if name in ("stages", "splits") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if name == "stages" and not 2 <= value <= 8:
+            raise ValueError(f"stages must be from 2 to 8 (one buffer is read while the "
+                             f"next lands), got {value!r}.")
+        if name == "slot_layout" and value not in SLOT_LAYOUTS:
+            raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, got {value!r}.")
+    return MosaicDecodeConfig(**fields)
+
+
+def check_shapes(cfg: MosaicDecodeConfig, groups: int, head_dim: int, itemsize: int) -> None:
+    """ValueError naming the fix when `cfg` cannot serve G query heads per KV head at D."""
+    if cfg.block % groups or (cfg.block // groups) % 8:
+        ok = [b for b in BLOCKS if b % groups == 0 and (b // groups) % 8 == 0]
+        raise ValueError(
+            f"block={cfg.block} cannot hold the slots of {groups} query heads per KV head "
+            f"(block / G must be a multiple of 8); use block in {ok}"
+            + ("" if ok else " (none fits: use implementation='pallas_gpu')") + ".")
+    need = shared_memory_bytes(cfg, head_dim, itemsize)
+    if need > SMEM_LIMIT_BYTES:
+        raise ValueError(
+            f"the Mosaic GPU decode kernel needs {need / 1024:.0f} KiB of shared memory at "
+            f"head_dim={head_dim}, block={cfg.block}, stages={cfg.stages}; sm_90 has "
+            f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block.")
+
+
+def gpu_slots(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Programs the GPU runs at once: SMs (this process's first GPU, else an H200's 132)
+    times the CTAs of this shared-memory size an SM holds (228 KiB, 1 KiB reserved each)."""
+    try:
+        sms = int(getattr(jax.devices()[0], "core_count", 0) or 0)
+    except RuntimeError:
+        sms = 0
+    if jax.default_backend() != "gpu" or sms <= 0:
+        sms = _H200_SMS
+    per_sm = max(1, (228 * 1024) // (shared_memory_bytes(cfg, head_dim, itemsize) + 1024))
+    return sms * per_sm
+
+
+def decode_refusal(dtype, head_dim: int, q_heads: int, kv_heads: int, **tiling) -> str | None:
+    """None if the kernel takes this cache (at `tiling`), else why not: for a backend that
+    falls back to the Triton decode kernel (`implementation='pallas_gpu'`) instead."""
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"it takes a bfloat16 or float16 cache, not {jnp.dtype(dtype).name}"
+    if head_dim not in HEAD_DIMS:
+        return f"it supports head_dim in {HEAD_DIMS}, not {head_dim}"
+    if kv_heads < 1 or q_heads % kv_heads:
+        return f"Hq = {q_heads} is not a multiple of Hkv = {kv_heads}"
+    try:
+        check_shapes(decode_config(**tiling), q_heads // kv_heads, head_dim,
+                     jnp.dtype(dtype).itemsize)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int,
+                   num_slots: int, groups: int, slots_at_once: int) -> int:
+    """The config's splits, or the smallest count whose waves of equal programs fill the
+    GPU within 5% of the best (`slots_at_once` programs run together; a program per
+    (row, KV head) is `batch * kv_heads`), at most the steps of a full row."""
+    if cfg.splits is not None:
+        return cfg.splits
+    steps = -(-ring // cfg.block) + 1 + -(-num_slots // (cfg.block // groups))
+    programs = batch * kv_heads
+    top = max(1, min(steps, -(-8 * slots_at_once // programs)))
+    cost = {s: -(-programs * s // slots_at_once) / s for s in range(1, top + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= 1.05 * best)
+
+
+def _layouts(interpreted: bool):
+    """(tile, row) layout casts of WGMMA tiles and their per-row vectors; identities in the
+    GPU interpreter (it runs arrays without layouts)."""
+    if interpreted:
+        return (lambda x: x), (lambda x: x)
+    return (functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA),
+            functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref,
+            acc_ref, ml_ref, q_smem, q_bar, ring_bar, slot_bar, *, ring: int, num_slots_cap: int,
+            ring_rows: int, slot_rows: int, groups: int, splits: int,
+            cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
+    """One (KV head, split, row): the split's share of the row's steps (module docstring).
+    The K/V buffers and the float32 output tile are scoped one after the other, so that
+    they share shared memory."""
+    d = q_ref.shape[-1]
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    buffers = plgpu.SMEM((cfg.stages, cfg.block, d), k_ref.dtype, transforms=transforms)
+    attend = functools.partial(
+        _attend, layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref,
+        cv_ref, q_smem, q_bar, ring_bar, slot_bar, ring=ring, num_slots_cap=num_slots_cap,
+        ring_rows=ring_rows, slot_rows=slot_rows, groups=groups, splits=splits, cfg=cfg,
+        scale=scale, interpreted=interpreted)
+    acc, m_i, l_i = pl.run_scoped(attend, buffers, buffers)
+    batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
+
+    def write(o_smem, ml_smem):
+        o_smem[...] = acc
+        ml_smem.at[0][...] = m_i
+        ml_smem.at[1][...] = l_i
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, groups)], acc_ref.at[batch, kvh, split])
+        plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, kvh, split])
+        plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(write, plgpu.SMEM((_ROWS, d), jnp.float32),
+                  plgpu.SMEM((2, _ROWS), jnp.float32))
+
+
+def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref,
+            q_smem, q_bar, ring_bar, slot_bar, k_smem, v_smem, *, ring: int,
+            num_slots_cap: int, ring_rows: int, slot_rows: int, groups: int, splits: int,
+            cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
+    """The pipelined walk over the split's steps: its (acc, max, sum), 64 rows."""
+    bk, stages = cfg.block, cfg.stages
+    per_head = bk // groups                                  # slots of one head per step
+    batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
+    as_tile, as_rows = _layouts(interpreted)
+    # The row's bounds and the layer, clipped into the cache: no copy reads outside it.
+    first = jnp.clip(first_ref[batch], 0, ring - 1)
+    count = jnp.clip(count_ref[batch], 1, ring)
+    num_slots = jnp.clip(slots_ref[batch], 0, num_slots_cap)
+    layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
+
+    # The row's steps: ring blocks rb0 .. rb0 + n_ring (all of them when the visible entries
+    # wrap past the ring's end), then slot blocks 0 .. n_slot.
+    ring_blocks = -(-ring_rows // bk)
+    wraps = first + count > ring
+    rb0 = jnp.where(wraps, 0, lax.div(first, jnp.int32(bk)))
+    n_ring = jnp.where(wraps, ring_blocks, lax.div(first + count - 1, jnp.int32(bk)) + 1 - rb0)
+    n_slot = lax.div(num_slots + per_head - 1, jnp.int32(per_head))
+    n_all = n_ring + n_slot
+    per = lax.div(n_all + splits - 1, jnp.int32(splits))
+    s0 = jnp.minimum(split * per, n_all)
+    s1 = jnp.minimum(s0 + per, n_all)
+
+    def copy(step, buf):
+        """Issue the copies of the row's step `step` into buffer `buf`."""
+        @pl.when(step < n_ring)
+        def _():
+            start = jnp.minimum((rb0 + step) * bk, ring_rows - bk)
+            rows = (layer, batch, pl.ds(start, bk), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[buf], ring_bar.at[buf])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[buf], ring_bar.at[buf])
+
+        @pl.when(step >= n_ring)
+        def _():
+            start = jnp.minimum((step - n_ring) * per_head, slot_rows - per_head)
+            for g in range(groups):
+                head = kvh * groups + g
+                if cfg.slot_layout == "bchd":
+                    rows = (layer, batch, pl.ds(start, per_head), head)
+                else:
+                    rows = (layer, batch, head, pl.ds(start, per_head))
+                dst = (buf, pl.ds(g * per_head, per_head))
+                plgpu.copy_gmem_to_smem(ck_ref.at[rows], k_smem.at[dst], slot_bar.at[buf])
+                plgpu.copy_gmem_to_smem(cv_ref.at[rows], v_smem.at[dst], slot_bar.at[buf])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, kvh], q_smem, q_bar)
+    for i in range(stages):                                   # fill the pipeline
+        @pl.when(s0 + i < s1)
+        def _():
+            copy(s0 + i, i)
+
+    c = scale * _LOG2E
+    dtype = k_smem.dtype
+
+    def iota(dim):
+        return as_tile(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), dim))
+
+    def ring_visible(j):
+        nominal = (rb0 + j) * bk
+        entry = iota(1) + jnp.minimum(nominal, ring_rows - bk)
+        offset = entry - first
+        offset = jnp.where(offset < 0, offset + ring, offset)
+        return (entry >= nominal) & (entry < ring) & (offset < count)
+
+    def slot_visible(j):
+        nominal = j * per_head
+        row0 = iota(0) * per_head                   # the row's head's first key row
+        col = iota(1)
+        slot = col - row0 + jnp.minimum(nominal, slot_rows - per_head)
+        return (col >= row0) & (col < row0 + per_head) & (slot >= nominal) & (slot < num_slots)
+
+    def step(i, carry, bar, visible):
+        """Step i of the row (buffer (i - s0) % stages), then the copies of step i + stages."""
+        acc, m_i, l_i = carry
+        buf = lax.rem(i - s0, jnp.int32(stages))
+        plgpu.barrier_wait(bar.at[buf])
+        if interpreted:   # no transposed wgmma operand there: a plain product
+            sc = lax.dot_general(q_smem[...], k_smem.at[buf][...], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        else:
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[buf].transpose((1, 0)))
+                return acc_ref[...]
+            sc = pl.run_scoped(scores, plgpu.ACC((_ROWS, bk), jnp.float32))
+        sc = jnp.where(visible(i), sc, -jnp.inf)
+        m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, (_ROWS, bk), [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        if interpreted:
+            acc = acc + jnp.dot(p16, v_smem.at[buf][...], preferred_element_type=jnp.float32)
+        else:
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[buf])
+            acc = pl.run_state(values)(plgpu.ACC.init(acc))   # waits: the buffer is free
+
+        @pl.when(i + stages < s1)
+        def _():
+            copy(i + stages, buf)
+        return acc, m_new, l_i
+
+    carry = (as_tile(jnp.zeros((_ROWS, q_ref.shape[-1]), jnp.float32)),
+             as_rows(jnp.full((_ROWS,), _MAX_INIT, jnp.float32)),
+             as_rows(jnp.zeros((_ROWS,), jnp.float32)))
+    plgpu.barrier_wait(q_bar)
+    ring_end = jnp.minimum(s1, n_ring)
+    carry = lax.fori_loop(s0, ring_end, lambda i, cr: step(
+        i, cr, ring_bar, lambda i: ring_visible(i)), carry)
+    carry = lax.fori_loop(jnp.maximum(s0, n_ring), s1, lambda i, cr: step(
+        i, cr, slot_bar, lambda i: slot_visible(i - n_ring)), carry)
+    return carry
+
+
+def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_slots: int,
+              groups: int, splits: int, cfg: MosaicDecodeConfig, interpret):
+    """Partials: acc `[B, Hkv, splits, G, D]`, (max, sum) `[B, Hkv, splits, 2, 64]` f32.
+    layer: int32 `[1]`; bounds: three int32 `[B]` (clipped in the kernel)."""
+    b, hkv, _, d = q_rows.shape
+    slot_axis = 2 if cfg.slot_layout == "bchd" else 3
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = (
+        plgpu.SMEM((_ROWS, d), k_ring.dtype, transforms=transforms),       # queries
+        plgpu.Barrier(),                                                    # queries landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),             # ring K, V landed
+        plgpu.Barrier(num_arrivals=2 * groups, num_barriers=cfg.stages),    # slots landed
+    )
+    kernel = functools.partial(
+        _kernel, ring=ring, num_slots_cap=num_slots, ring_rows=k_ring.shape[2],
+        slot_rows=ck.shape[slot_axis],
+        groups=groups, splits=splits, cfg=cfg, scale=1.0 / math.sqrt(d),
+        interpreted=interpret is not None)
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((b, hkv, splits, groups, d), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, splits, 2, _ROWS), jnp.float32)),
+        scratch_types=scratch,
+        grid=(hkv, splits, b),
+        grid_names=("kv_heads", "splits", "batch"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(layer, *bounds, q_rows, k_ring, v_ring, ck, cv)
+
+
+def _merge(acc, ml, out_dtype):
+    """`[B, Hq, D]`: the softmax over the splits (every row sees its own key: the largest
+    running max is finite)."""
+    b, hkv, _, groups, d = acc.shape
+    m, l = ml[:, :, :, 0, :groups], ml[:, :, :, 1, :groups]          # [B, Hkv, S, G]
+    w = jnp.exp2(m - jnp.max(m, axis=2, keepdims=True))
+    out = jnp.sum(w[..., None] * acc, axis=2) / jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)[
+        ..., None]
+    return out.reshape(b, hkv * groups, d).astype(out_dtype)
+
+
+def _pad_axis(x, axis: int, size: int):
+    if x.shape[axis] >= size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeConfig,
+                    stacked: bool, interpret=None):
+    """Checked inputs (cache arrays `[L, B, ...]` when `stacked`, else `[B, ...]`) -> the
+    attention kernel's partials (`_partials`), before the merge (benchmarks time both)."""
+    if not stacked:
+        k_ring, v_ring, ck, cv = (x[None] for x in (k_ring, v_ring, ck, cv))
+    b, hq, d = q.shape
+    ring, hkv = k_ring.shape[2], k_ring.shape[3]
+    groups = hq // hkv
+    slot_axis = 2 if cfg.slot_layout == "bchd" else 3
+    num_slots = ck.shape[slot_axis]
+    # Caches smaller than one block: zero-padded (a few KiB; never visible).
+    k_ring, v_ring = (_pad_axis(x, 2, cfg.block) for x in (k_ring, v_ring))
+    ck, cv = (_pad_axis(x, slot_axis, cfg.block // groups) for x in (ck, cv))
+    bounds = [jnp.asarray(x).astype(jnp.int32) for x in bounds]   # no-ops on int32
+    layer = jnp.asarray(layer).astype(jnp.int32).reshape(1)
+    q_rows = _pad_axis(q.astype(k_ring.dtype).reshape(b, hkv, groups, d), 2, _ROWS)
+    splits = resolve_splits(cfg, b, hkv, ring, num_slots, groups,
+                            gpu_slots(cfg, d, k_ring.dtype.itemsize))
+    return _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, ring=ring,
+                     num_slots=num_slots, groups=groups, splits=splits, cfg=cfg,
+                     interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "stacked", "out_dtype", "interpret"))
+def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeConfig,
+                     stacked: bool, out_dtype=jnp.float32, interpret=None):
+    """Checked inputs -> `[B, Hq, D]` in `out_dtype`: the attention kernel and the merge,
+    in one jit."""
+    acc, ml = decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg, stacked,
+                              interpret)
+    return _merge(acc, ml, out_dtype)
+
+
+def _check_bounds(bounds, batch: int) -> None:
+    if len(bounds) != 3:
+        raise ValueError("bounds must be (ring_first, ring_count, num_slots), e.g. "
+                         "cca_jax.blocks.decode_bounds(pattern, positions, R, C).")
+    for name, x in zip(DecodeBounds._fields, bounds):
+        if np.shape(x) != (batch,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"bounds.{name} must be an int array [B={batch}], got "
+                             f"{jnp.result_type(x)} {np.shape(x)}.")
+
+
+def _interpret_params(interpret):
+    """None (compile), or the GPU interpreter's params (True: its defaults)."""
+    if interpret is None or interpret is False:
+        return None
+    if interpret is True:
+        params = getattr(plgpu, "InterpretGPUParams", None)   # public from jax 0.11
+        if params is None:                                    # jax 0.10: private only
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        return params()
+    return interpret
+
+
+def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
+                                out_dtype=jnp.float32, interpret=None, **tiling):
+    """`decode_attention_pallas_gpu`'s contract through the Mosaic GPU kernel (sm_90).
+
+    q: `[B, Hq, D]`. k_ring, v_ring: `[B, R, Hkv, D]` (query head h uses KV head
+    h // (Hq / Hkv)). ck, cv: `[B, C, Hq, D]` (C may be 0), or `[B, Hq, C, D]` with
+    `slot_layout="bhcd"`. bounds: `cca_jax.blocks.decode_bounds(pattern, t, R, C)`
+    (`DecodeBounds` or a 3-tuple of int `[B]`). layer: with it, the four cache arrays are
+    the stacked `[L, B, ...]` ones of `KVCache`, read in place at layer `layer` (int or int
+    scalar, traced or not). bfloat16 or float16, one dtype; D in `HEAD_DIMS` (the cache is
+    stored at the model's D: others go to implementation='pallas_gpu' or 'xla').
+    Invisible ring entries and slots must be finite (module docstring).
+    tiling: `MosaicDecodeConfig` fields (block, stages, splits, slot_layout). interpret:
+    None/False compiles for the GPU (lowers for "cuda" anywhere); True (or an
+    `InterpretGPUParams`) runs jax's GPU interpreter on the CPU (tiny shapes only).
+    """
+    cfg = decode_config(**tiling)
+    shapes = [np.shape(x) for x in (k_ring, v_ring, ck, cv)]
+    lead = () if layer is None else (None,)
+    if np.ndim(q) != 3 or any(len(x) != 4 + len(lead) for x in shapes):
+        raise ValueError(
+            f"q must be [B, Hq, D] and the cache arrays [B, ...] 4-D (or [L, B, ...] 5-D with "
+            f"layer=); got q {np.shape(q)}, {shapes} with layer={layer!r}.")
+    b, hq, d = np.shape(q)
+    if d not in HEAD_DIMS:
+        raise ValueError(f"the Mosaic GPU decode kernel supports head_dim in {HEAD_DIMS}, got "
+                         f"{d}; use implementation='pallas_gpu' or 'xla'.")
+    dtypes = {jnp.dtype(jnp.result_type(x)) for x in (k_ring, v_ring, ck, cv)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+        raise ValueError(f"the Mosaic GPU decode kernel takes a bfloat16 or float16 cache of "
+                         f"one dtype, got {sorted(str(x) for x in dtypes)}; use "
+                         f"implementation='pallas_gpu' (any float dtype) or 'xla'.")
+    k_shape, v_shape, ck_shape, cv_shape = (x[len(lead):] for x in shapes)
+    ring, hkv = k_shape[1], k_shape[2]
+    if (k_shape[0], k_shape[3]) != (b, d) or v_shape != k_shape or ring < 1 or hq % hkv:
+        raise ValueError(f"k_ring and v_ring must be [B, R, Hkv, D] with R >= 1 and Hq a "
+                         f"multiple of Hkv; got q {np.shape(q)}, {shapes[0]}, {shapes[1]}.")
+    slot_axis = 1 if cfg.slot_layout == "bchd" else 2
+    want = [b, ck_shape[slot_axis], ck_shape[slot_axis], d]
+    want[3 - slot_axis] = hq
+    if (list(ck_shape) != want or cv_shape != ck_shape
+            or shapes[2][:len(lead)] != shapes[0][:len(lead)]):
+        layout = "[B, C, Hq, D]" if slot_axis == 1 else "[B, Hq, C, D]"
+        raise ValueError(f"ck and cv must be {layout} (slot_layout={cfg.slot_layout!r}) "
+                         f"like the ring; got {shapes[2]} and {shapes[3]} for q "
+                         f"{np.shape(q)}, ring {shapes[0]}.")
+    _check_bounds(bounds, b)
+    check_shapes(cfg, hq // hkv, d, next(iter(dtypes)).itemsize)
+    return decode_attention(q, k_ring, v_ring, ck, cv, 0 if layer is None else layer,
+                            DecodeBounds(*bounds), cfg, layer is not None,
+                            jnp.dtype(out_dtype), _interpret_params(interpret))

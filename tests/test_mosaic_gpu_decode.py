@@ -1,0 +1,360 @@
+"""The Mosaic GPU decode kernel (`pallas_kernels.mosaic_gpu.decode`).
+
+CPU (default suite): cross-lowering for "cuda" (builds the Mosaic GPU module: API, shapes,
+layouts, wgmma/TMA constraints; not ptxas or run-time shared memory); the whole kernel in
+jax's GPU interpreter (TMA copies, barriers, the block walk, masks, the split and the merge;
+its two products are plain dots there) at tiny shapes against a float64 reference written
+from the contract (ring entries `(ring_first + i) % R` for `i < ring_count`, slots
+`[0, num_slots)`) or from the SPEC oracle's cache masks; argument and config errors.
+Invisible ring entries and slots are poisoned with large finite values (keys that would win
+every softmax, values far off): a kernel that let one through would fail. (Not NaN: blocks
+are read whole and masked by score, so invisible entries must be finite, as a `KVCache`'s
+are: zero-initialised, then written.)
+On a Hopper GPU (`gpu` marker): the 7B shape at 128K context against float64 and against the
+Triton decode kernel, row by row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cca_jax import blocks
+from cca_jax.blocks import DecodeBounds
+from pallas_kernels.mosaic_gpu.decode import (SMEM_LIMIT_BYTES, MosaicDecodeConfig,
+                                              decode_attention_mosaic_gpu, decode_config,
+                                              decode_refusal, shared_memory_bytes)
+
+S = jax.ShapeDtypeStruct
+
+# Largest per-row error (max |error| / row norm) against float64. The probabilities are
+# rounded to the cache dtype for the value product (as in the Triton kernel): bf16 measured
+# <= 6e-4 in the interpreter at D = 64 -> 2e-3 * sqrt(128 / D) as the Triton decode tests;
+# float16 has 3 more mantissa bits (measured 5e-5). A dropped or extra entry among the
+# ~20-70 a tiny row sees moves the row by ~1e-2 or more.
+ROW_TOL = {"bfloat16": 2e-3, "float16": 5e-4}
+
+
+def _tol(dtype, d):
+    return ROW_TOL[jnp.dtype(dtype).name] * (128 / d) ** 0.5
+
+
+def row_errors(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.abs(out - ref).max(-1) / np.linalg.norm(ref, axis=-1)
+
+
+def contract_masks(bounds, ring: int, num_slots: int):
+    """`[B, R]`, `[B, C]` visibility written from the contract, entry by entry."""
+    first, count, slots = (np.asarray(x) for x in bounds)
+    raw = np.zeros((len(first), ring), bool)
+    slot = np.zeros((len(first), num_slots), bool)
+    for z in range(len(first)):
+        raw[z, [(first[z] + i) % ring for i in range(count[z])]] = True
+        slot[z, :slots[z]] = True
+    return raw, slot
+
+
+def reference(q, k, v, ck, cv, raw, slot):
+    """float64 `[B, Hq, D]`: one softmax over the visible ring entries (KV head h // G) and
+    slots (query head h) of each row."""
+    q, k, v, ck, cv = (np.asarray(x, np.float64) for x in (q, k, v, ck, cv))
+    b, hq, d = q.shape
+    groups = hq // k.shape[2]
+    k, v = (np.repeat(x, groups, axis=2) for x in (k, v))           # [B, R, Hq, D]
+    keys, vals = np.concatenate([k, ck], 1), np.concatenate([v, cv], 1)
+    seen = np.concatenate([raw, slot], 1)                           # [B, R + C]
+    s = np.einsum("bhd,bnhd->bhn", q, keys) / np.sqrt(d)
+    s = np.where(seen[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhn,bnhd->bhd", p / p.sum(-1, keepdims=True), vals)
+
+
+def _poison(x, visible, value):
+    """x `[B, N, H, D]` with the entries a row does not see set to `value`."""
+    return np.where(visible[:, :, None, None], x, value)
+
+
+def _case(b, hq, hkv, d, ring, num_slots, dtype, seed, layers=None):
+    """Random bf16/fp16 q `[B, Hq, D]`, ring and slots (float32 numpy of exact values),
+    stacked over `layers` when given."""
+    rng = np.random.default_rng(seed)
+    lead = () if layers is None else (layers,)
+
+    def normal(*shape):
+        return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float32)
+    return (normal(b, hq, d), normal(*lead, b, ring, hkv, d), normal(*lead, b, ring, hkv, d),
+            normal(*lead, b, num_slots, hq, d), normal(*lead, b, num_slots, hq, d))
+
+
+def _check_interpreted(bounds, *, b=2, hq=4, hkv=2, d=64, ring=48, num_slots=20,
+                       dtype=jnp.bfloat16, seed=0, masks=None, layers=None, layer=0,
+                       slot_layout="bchd", out_dtype=jnp.float32, **tiling):
+    q, k, v, ck, cv = _case(b, hq, hkv, d, ring, num_slots, dtype, seed, layers)
+    raw, slot = masks if masks is not None else contract_masks(bounds, ring, num_slots)
+    ref = reference(q, *(x if layers is None else x[layer] for x in (k, v, ck, cv)), raw, slot)
+    if layers is None:
+        k, v = _poison(k, raw, 30.0), _poison(v, raw, 1e3)
+        ck, cv = _poison(ck, slot, 30.0), _poison(cv, slot, 1e3)
+    else:   # the layer read is poisoned; the others are garbage anyway
+        k[layer], v[layer] = _poison(k[layer], raw, 30.0), _poison(v[layer], raw, 1e3)
+        ck[layer], cv[layer] = _poison(ck[layer], slot, 30.0), _poison(cv[layer], slot, 1e3)
+    if slot_layout == "bhcd":
+        ck, cv = (np.swapaxes(x, -3, -2) for x in (ck, cv))
+    args = [jnp.asarray(x, dtype) for x in (q, k, v, ck, cv)]
+    bounds = DecodeBounds(*(jnp.asarray(x, jnp.int32) for x in bounds))
+    out = decode_attention_mosaic_gpu(*args, bounds, interpret=True, out_dtype=out_dtype,
+                                      slot_layout=slot_layout,
+                                      layer=None if layers is None else jnp.int32(layer),
+                                      **tiling)
+    assert out.shape == (b, hq, d) and out.dtype == jnp.dtype(out_dtype)
+    err = row_errors(out, ref)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= _tol(dtype, d), (f"row error {err.max():.2e} at (row, head) {worst}; "
+                                         f"bounds {[np.asarray(x) for x in bounds]}")
+    return err.max()
+
+
+# ---- CPU: the kernel in jax's GPU interpreter ---------------------------------------------
+
+# (ring_first, ring_count, num_slots) per row; R = 48, C = 20 unless given.
+INTERPRETED = {
+    # row 0 wraps (40 + 20 > 48) with no slot; row 1: one ring entry, every slot.
+    "wrap_no_slots_one_entry": dict(bounds=([40, 5], [20, 1], [0, 20]), splits=2),
+    # the whole ring (wrapping at 13), a ragged slot count; 4 splits, 3 stages.
+    "full_ring_many_splits": dict(bounds=([13, 47], [48, 1], [13, 20]), splits=4, stages=3),
+    # MQA (G = 4: 16 slots of each head a step), a 2-entry wrap, 3 splits (one empty).
+    "mqa": dict(bounds=([47, 0], [2, 48], [17, 3]), hkv=1, splits=3),
+    # MHA and no slots at all in the cache (C = 0), default splits.
+    "mha_no_slot_cache": dict(bounds=([10, 30], [30, 48], [0, 0]), hkv=4, num_slots=0),
+    # R = 100, C = 40: two ring blocks (the second starts at 36 and masks the overlap), two
+    # slot blocks of 32 per head (the second starts at 8), a wrap across both ring blocks.
+    "several_blocks": dict(bounds=([90, 20], [60, 80], [40, 33]), ring=100, num_slots=40,
+                           splits=2, stages=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTERPRETED))
+def test_interpreted_matches_float64(name):
+    """Hand-made bounds at B = 2, Hq = 4, D = 64, block 64 (rings and slot caches smaller
+    than a block are zero-padded): wraps, per-head slot blocks, splits that cut ring and
+    slot steps, empty splits."""
+    case = dict(INTERPRETED[name])
+    _check_interpreted(case.pop("bounds"), block=64, **case)
+
+
+def test_interpreted_stacked_cache_head_major_slots_bf16_out():
+    """Stacked `[L, B, ...]` cache read at a traced layer, slots `[L, B, Hq, C, D]`, bf16
+    out."""
+    _check_interpreted(([40, 5], [20, 7], [20, 9]), layers=3, layer=2, slot_layout="bhcd",
+                       out_dtype=jnp.bfloat16, block=64)
+
+
+def test_interpreted_float16_d128_default_tiling():
+    _check_interpreted(([40, 5], [20, 7], [20, 9]), d=128, dtype=jnp.float16, seed=3)
+
+
+def test_interpreted_cca_positions_against_the_spec_oracle():
+    """Bounds from `cca_jax.blocks.decode_bounds` of CCA(g=8, s=40) (R = s + g = 48, C = 20
+    at max_len 200) at positions crossing the first core token (t = 47), ring wraps and the
+    last position; the reference's masks from the SPEC oracle (`tests/visibility_oracle`)."""
+    from tests import visibility_oracle as oracle
+    pattern = blocks.CCA(8, 40)
+    ring, num_slots = blocks.ring_size(pattern, 200), pattern.max_slots(200)
+    assert (ring, num_slots) == (48, 20)
+    for i, positions in enumerate([[0, 46, 47, 48], [95, 96, 150, 199]]):
+        t = np.asarray(positions)
+        bounds = blocks.decode_bounds(pattern, t, ring, num_slots)
+        _check_interpreted(bounds, b=4, masks=oracle.cache_masks(pattern, t, ring, num_slots),
+                           seed=10 + i, block=64, splits=2)
+
+
+# ---- CPU: cross-lowering for "cuda" ----------------------------------------------------------
+
+def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
+    lead = () if layers is None else (layers,)
+    dtype = jnp.dtype(dtype)
+    q = S((b, hq, d), dtype)
+    kv = S(lead + (b, ring, hkv, d), dtype)
+    slots = S(lead + (b, num_slots, hq, d), dtype)
+    if tiling.get("slot_layout") == "bhcd":
+        slots = S(lead + (b, hq, num_slots, d), dtype)
+    row = S((b,), jnp.int32)
+
+    def f(q, k, v, ck, cv, first, count, n, layer):
+        return decode_attention_mosaic_gpu(q, k, v, ck, cv, DecodeBounds(first, count, n),
+                                           layer=None if layers is None else layer,
+                                           out_dtype=q.dtype, **tiling)
+    return jax.jit(f).trace(q, kv, kv, slots, slots, row, row, row,
+                            S((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,dtype,layers,tiling", [
+    (4, 32, 8, 128, "bfloat16", 32, {}),                          # 7B GQA, stacked
+    (1, 32, 32, 128, "bfloat16", None, dict(block=64, stages=4)),  # MHA, unstacked
+    (2, 8, 2, 64, "float16", 4, dict(block=256, splits=3, slot_layout="bhcd")),
+    (2, 16, 1, 128, "bfloat16", None, dict(block=128, stages=3)),  # MQA: 8 slots a head
+])
+def test_lowers_for_cuda(b, hq, hkv, d, dtype, layers, tiling):
+    """R = 1040, C = 8192 (the 7B cache at 128K): one Mosaic GPU kernel, no Triton one."""
+    text = _lowered_text(b, hq, hkv, d, 1040, 8192, dtype, layers, **tiling)
+    assert text.count("mosaic_gpu_v2(") == 1
+    assert "xla.gpu.triton" not in text
+
+
+def test_lowers_for_cuda_with_tiny_and_empty_caches():
+    """A ring and slots smaller than a block (zero-padded), and C = 0."""
+    for num_slots in (5, 0):
+        text = _lowered_text(2, 4, 2, 64, 20, num_slots, "bfloat16", 2)
+        assert text.count("mosaic_gpu_v2(") == 1
+
+
+# ---- CPU: configuration and argument errors ---------------------------------------------
+
+def test_config_defaults_fit_shared_memory():
+    cfg = decode_config()
+    assert cfg == MosaicDecodeConfig() and decode_config(block=None) == cfg
+    for d in (64, 128):
+        assert shared_memory_bytes(cfg, d) <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block=48), "block must be one of"),
+    (dict(block=32), "block must be one of"),
+    (dict(block=True), "block must be one of"),
+    (dict(stages=1), "stages must be from 2 to 8"),
+    (dict(stages=2.0), "stages must be a positive int"),
+    (dict(splits=0), "splits must be a positive int"),
+    (dict(slot_layout="cbhd"), "slot_layout must be one of"),
+    (dict(block_q=64), "unknown Mosaic GPU decode setting 'block_q'"),
+])
+def test_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        decode_config(**fields)
+
+
+def _small(b=2, hq=4, hkv=2, d=64, ring=48, num_slots=20, dtype=jnp.bfloat16):
+    q = jnp.zeros((b, hq, d), dtype)
+    kv = jnp.zeros((b, ring, hkv, d), dtype)
+    slots = jnp.zeros((b, num_slots, hq, d), dtype)
+    bounds = DecodeBounds(*(jnp.zeros((b,), jnp.int32) for _ in range(3)))
+    return q, kv, kv, slots, slots, bounds
+
+
+def test_input_errors_name_the_fix():
+    call = decode_attention_mosaic_gpu
+    q, k, v, ck, cv, bounds = _small()
+    with pytest.raises(ValueError, match="head_dim in .*implementation='pallas_gpu' or 'xla'"):
+        call(*_small(d=96))
+    with pytest.raises(ValueError, match="bfloat16 or float16.*'pallas_gpu'"):
+        call(*_small(dtype=jnp.float32))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        call(q[:, :3], k, v, ck[:, :, :3], cv[:, :, :3], bounds)
+    with pytest.raises(ValueError, match="ck and cv"):
+        call(q, k, v, ck[:, :, :2], cv[:, :, :2], bounds)
+    with pytest.raises(ValueError, match="ring_count"):
+        call(q, k, v, ck, cv, bounds._replace(ring_count=bounds.ring_count[:1]))
+    with pytest.raises(ValueError, match="bounds must be"):
+        call(q, k, v, ck, cv, bounds[:2])
+    with pytest.raises(ValueError, match="layer="):
+        call(q, k, v, ck, cv, bounds, layer=0)
+    with pytest.raises(ValueError, match="shared memory.*lower stages or block"):
+        call(q, k, v, ck, cv, bounds, block=256, stages=4)
+    with pytest.raises(ValueError, match=r"block / G must be a multiple of 8\); use block in"):
+        call(*_small(hq=16, hkv=1), block=64)    # G = 16: 4 slots of a head per step
+
+
+def test_decode_refusal_says_why():
+    assert decode_refusal(jnp.bfloat16, 128, 32, 8) is None
+    assert decode_refusal(jnp.float16, 64, 32, 32) is None
+    assert "float32" in decode_refusal(jnp.float32, 128, 32, 8)
+    assert "head_dim" in decode_refusal(jnp.bfloat16, 256, 32, 8)
+    assert "multiple of Hkv" in decode_refusal(jnp.bfloat16, 128, 12, 8)
+    assert "block / G" in decode_refusal(jnp.bfloat16, 128, 32, 1)        # G = 32
+    assert "shared memory" in decode_refusal(jnp.bfloat16, 128, 32, 1, block=256)
+    assert decode_refusal(jnp.bfloat16, 64, 32, 1, block=256) is None
+
+
+# ---- on a Hopper GPU ----------------------------------------------------------------------
+
+def _hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+
+GPU_PATTERN = blocks.CCA(16, 1024)      # R = 1040; C = 8192 at 128K
+GPU_MAX_LEN = 131072
+# s + g - 2 (no core token yet), s + g - 1 (the first), ring wraps, and the last position
+# (every slot seen): 4 rows of the 7B shape each.
+GPU_POSITIONS = [[1038, 1039, 2079, 2080], [3119, 50000, 100001, GPU_MAX_LEN - 1]]
+
+
+def _gpu_case(hkv, positions, layers, seed):
+    ring = blocks.ring_size(GPU_PATTERN, GPU_MAX_LEN)
+    num_slots = GPU_PATTERN.max_slots(GPU_MAX_LEN)
+    b, hq, d = len(positions), 32, 128
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+
+    def bf(key, shape):
+        return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+    q = bf(ks[0], (b, hq, d))
+    k, v = (bf(x, (layers, b, ring, hkv, d)) for x in ks[1:3])
+    ck, cv = (bf(x, (layers, b, num_slots, hq, d)) for x in ks[3:5])
+    t = np.asarray(positions)
+    bounds = blocks.decode_bounds(GPU_PATTERN, jnp.asarray(t, jnp.int32), ring, num_slots)
+    return (q, k, v, ck, cv), bounds, (ring, num_slots)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
+@pytest.mark.parametrize("tiling", [{}, dict(block=64, stages=4), dict(splits=1)],
+                         ids=["default", "block64_stages4", "one_split"])
+def test_gpu_matches_float64_and_triton(hkv, tiling):
+    """7B per-layer call at 128K: Hq = 32, D = 128, R = 1040, C = 8192, stacked cache of 2
+    layers read at layer 1, bf16; each row and query head within 2e-3 of float64 and 4e-3 of
+    the Triton decode kernel (relative to its norm; each rounds its probabilities to bf16)."""
+    from pallas_kernels.gpu import decode_attention_pallas_gpu
+    layer = 1
+    for i, positions in enumerate(GPU_POSITIONS):
+        (q, k, v, ck, cv), bounds, (ring, num_slots) = _gpu_case(hkv, positions, 2, seed=i)
+        run = jax.jit(lambda *a: decode_attention_mosaic_gpu(*a, layer=layer, **tiling))
+        out = run(q, k, v, ck, cv, bounds)
+        assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+        masks = contract_masks(bounds, ring, num_slots)
+        ref = reference(q, k[layer], v[layer], ck[layer], cv[layer], *masks)
+        triton = jax.jit(lambda *a: decode_attention_pallas_gpu(*a, layer=layer))(
+            q, k, v, ck, cv, bounds)
+        err, vs_triton = row_errors(out, ref).max(), row_errors(out, triton).max()
+        print(f"hkv={hkv} {tiling} t={positions}: row error vs float64 {err:.2e}, "
+              f"vs Triton {vs_triton:.2e} (Triton vs float64 "
+              f"{row_errors(triton, ref).max():.2e})")
+        assert err <= ROW_TOL["bfloat16"], err
+        assert vs_triton <= 2 * ROW_TOL["bfloat16"], vs_triton   # both round P to bf16
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 2), ("float16", 64, 1)])
+def test_gpu_small_cache_head_major_slots_model_dtype_out(dtype, d, hkv):
+    """Tiny and ragged caches compiled (R = 48 and C = 20 zero-padded up to a block), slots
+    `[L, B, Hq, C, D]`, output in the cache dtype; bf16 GQA at D = 128, float16 MQA at
+    D = 64 (G = 8)."""
+    row_bounds = ([40, 5], [20, 7], [20, 9])
+    dtype = jnp.dtype(dtype)
+    q, k, v, ck, cv = _case(2, 8, hkv, d, 48, 20, dtype, 0, layers=2)
+    raw, slot = contract_masks(row_bounds, 48, 20)
+    ref = reference(q, k[1], v[1], ck[1], cv[1], raw, slot)
+    ck, cv = (np.swapaxes(x, -3, -2) for x in (ck, cv))
+    bounds = DecodeBounds(*(jnp.asarray(x, jnp.int32) for x in row_bounds))
+    out = decode_attention_mosaic_gpu(*(jnp.asarray(x, dtype) for x in (q, k, v, ck, cv)),
+                                      bounds, layer=1, slot_layout="bhcd", out_dtype=dtype)
+    err = row_errors(out, ref).max()
+    print(f"small cache, bhcd, {dtype.name} D={d} G={8 // hkv}: row error vs float64 {err:.2e}")
+    # the output's own rounding to the cache dtype adds up to half an ulp of the row
+    assert out.dtype == dtype and err <= 2 * _tol(dtype, d), err
