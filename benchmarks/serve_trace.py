@@ -17,7 +17,10 @@ Each record: throughput (generated tokens / wall time from the first arrival to 
 token), decode throughput (tokens after each request's first / the same wall time), time to
 first token p50/p95 (from arrival, queueing included), inter-token latency p50/p95 (the gaps
 between a request's consecutive tokens, other rows' prefill chunks included), the most rows
-busy at once, KV cache bytes, the device's peak memory, and the start time: seconds from an
+busy at once, KV cache bytes, the device's peak memory, the engine's own step times (mean
+ms per decode step and per prefill chunk, rows per decode step, and the decode steps'
+throughput: tokens they produced / seconds they took, the batch's decode rate without the
+prefill chunks between steps), and the start time: seconds from an
 empty process to the engine ready (programs compiled) with an empty persistent compilation
 cache (cold) and again with the cache it filled (warm), each in a fresh child process.
 Writes `<out>.json` and `<out>.md` with device, versions, shapes, date and command.
@@ -219,16 +222,30 @@ def bench(kind: str, trace: Trace, args) -> dict:
                kv_cache_bytes=engine.kv_cache_bytes,
                kv_cache_gib=round(engine.kv_cache_bytes / 2**30, 3),
                peak_gib=round(mem.get("peak_bytes_in_use", 0) / 2**30, 2),
-               layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, **metrics)
+               layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, **metrics,
+               **step_metrics(stats["step_times"]))
     import fastapi
     import uvicorn
     return dict(rec, **stamp(), fastapi=fastapi.__version__, uvicorn=uvicorn.__version__)
 
 
+def step_metrics(times: dict) -> dict:
+    """The engine's `StepTimes` -> per-step means and the decode steps' throughput."""
+    def ratio(a, b, scale=1.0):
+        return round(scale * a / b, 2) if b else None
+    return dict(decode_step_ms=ratio(times["decode_seconds"], times["decode_steps"], 1e3),
+                rows_per_step=ratio(times["decode_tokens"], times["decode_steps"]),
+                step_decode_tokens_per_s=ratio(times["decode_tokens"], times["decode_seconds"]),
+                prefill_chunk_ms=ratio(times["prefill_seconds"], times["prefill_chunks"], 1e3),
+                prefill_tokens_per_s=ratio(times["prefill_tokens"], times["prefill_seconds"]),
+                step_times=times)
+
+
 def table(records) -> str:
     cols = ["attention", "max_batch", "max_rows_busy", "tokens_per_s", "decode_tokens_per_s",
-            "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "itl_p95_ms", "kv_cache_gib", "peak_gib",
-            "cold_start_s", "warm_start_s", "errors"]
+            "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "itl_p95_ms", "decode_step_ms",
+            "rows_per_step", "step_decode_tokens_per_s", "prefill_chunk_ms", "kv_cache_gib",
+            "peak_gib", "cold_start_s", "warm_start_s", "errors"]
     first = records[0]
     lines = [f"# Serving a request trace on {first['device']}", "",
              f"- date: {first['date']}; jax {first['jax']}; fastapi {first['fastapi']}; "

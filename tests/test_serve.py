@@ -457,6 +457,15 @@ def test_serve_trace_benchmark_small_mode(tmp_path):
     assert rec["ttft_p95_s"] >= rec["ttft_p50_s"] > 0 and rec["itl_p50_ms"] > 0
     assert {"device", "jax", "date", "command", "commit"} <= set(rec)
     assert "| cca | 4 |" in out.with_suffix(".md").read_text()
+    # the engine's step times: each request's first token comes from its last prefill
+    # chunk, every other one from a decode step; every prompt token went through a chunk
+    times = rec["step_times"]
+    assert times["decode_tokens"] == rec["generated_tokens"] - rec["requests"]
+    from benchmarks.serve_trace import SMALL, make_requests
+    assert times["prefill_tokens"] == sum(len(p) for _, p, _ in make_requests(SMALL, 256))
+    assert times["prefill_chunks"] >= rec["requests"] and times["decode_steps"] >= 8
+    assert 1 <= rec["rows_per_step"] <= 4 and rec["step_decode_tokens_per_s"] > 0
+    assert rec["decode_step_ms"] > 0 and rec["prefill_chunk_ms"] > 0
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """The Mosaic GPU backend (Hopper): slots and bounds prepared here, then the warp-specialised
 forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator).
 
-Its gradient is the Triton-lowered backward by default (`backward="mosaic"` selects the
-Mosaic GPU one); its decode step is still the Triton kernels' (`pallas_gpu`). Forward
+Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
+one); its decode step is still the Triton kernels' (`pallas_gpu`). Forward
 timings: benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before
 `pallas_gpu` on sm_90+ GPUs for bfloat16 and float16; float32, older GPUs and head dims
 above 128 go to `pallas_gpu` or `xla`.

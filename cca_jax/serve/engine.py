@@ -96,6 +96,20 @@ class Request:
     stop_at_eos: bool = True
 
 
+@dataclasses.dataclass
+class StepTimes:
+    """What the device did since the engine was ready, timed on the host around each program
+    (tokens read back included): prefill chunks and the prompt tokens they carried, decode
+    steps and the tokens they produced (active rows). Their ratios separate the decode
+    throughput of the batch from the prefill work interleaved with it."""
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
 # on_event(token, None) for every generated token (an end-of-sequence token is not passed),
 # then on_event(None, reason) once: "stop" (end of sequence), "length" (max_tokens),
 # "cancelled" or "error". Called on the engine thread: it must return quickly.
@@ -184,6 +198,7 @@ class Engine:
         self.compilations_since_ready = 0
         self.max_rows_busy = 0
         self.finished = collections.Counter()
+        self.step_times = StepTimes()
 
     # ---- the public side (any thread) ------------------------------------------------------
 
@@ -245,7 +260,8 @@ class Engine:
                     "cache_hits_at_startup": self.cache_hits_at_startup,
                     "compilations_since_ready": self.compilations_since_ready,
                     "startup_seconds": round(self.startup_seconds, 3),
-                    "finished": dict(self.finished)}
+                    "finished": dict(self.finished),
+                    "step_times": dataclasses.asdict(self.step_times)}
 
     def start(self) -> None:
         """Start the engine thread: it compiles every program, sets `ready`, then serves."""
@@ -413,7 +429,10 @@ class Engine:
             ids[i, :len(part)] = part
             n_valid[i] = len(part)
             seqs[i] = seq
+        begin = time.perf_counter()
         tokens = self._run_prefill(rows, ids, n_valid, seqs)
+        self._count(prefill_chunks=1, prefill_tokens=int(n_valid.sum()),
+                    prefill_seconds=time.perf_counter() - begin)
         for i, seq in zip(slots, batch):
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
@@ -429,9 +448,17 @@ class Engine:
                               if s is not None])
         pool = bool(self._cache.num_slots and blocks.completes_slot(
             self._pattern, positions, self._cache.num_slots).any())
+        begin = time.perf_counter()
         tokens = self._run_decode(active, seqs, pool)
+        self._count(decode_steps=1, decode_tokens=int(active.sum()),
+                    decode_seconds=time.perf_counter() - begin)
         for row in np.flatnonzero(active):
             self._take_token(seqs[row], int(tokens[row]))
+
+    def _count(self, **amounts) -> None:
+        with self._cond:   # stats() reads them from other threads
+            for name, amount in amounts.items():
+                setattr(self.step_times, name, getattr(self.step_times, name) + amount)
 
     def _take_token(self, seq: Sequence, token: int) -> None:
         """A row's newly sampled token: pass it on, or end the row."""

@@ -115,7 +115,7 @@ def _interpret_params(interpret):
 
 
 def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
-                                 backward="triton", backward_tiling=None, interpret=None,
+                                 backward="mosaic", backward_tiling=None, interpret=None,
                                  **tiling):
     """One softmax per row over raw keys and slots, through the Mosaic GPU forward (sm_90).
 
@@ -125,9 +125,9 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])`. bfloat16 or float16; D up
     to 128 (64 and 128 native, others zero-padded to the next). `tiling`: MosaicConfig
     fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first).
-    Differentiable in q, k, v, ck, cv: `backward="mosaic"` runs the Mosaic GPU backward
-    kernels (`backward_tiling`: MosaicBackwardConfig overrides), `"triton"` (default until
-    the Mosaic backward is measured faster on the H200) the Triton-lowered ones (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper
+    Differentiable in q, k, v, ck, cv: `backward="mosaic"` (default: measured faster on the
+    H200) runs the Mosaic GPU backward kernels (`backward_tiling`: MosaicBackwardConfig
+    overrides), `"triton"` the Triton-lowered ones (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper
     GPU to run; lowers for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`)
     runs it on the CPU in jax's GPU interpreter (slow: tiny shapes only; a Triton backward
     then in Triton's interpret mode).

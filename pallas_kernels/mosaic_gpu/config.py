@@ -126,7 +126,7 @@ class MosaicBackwardConfig(NamedTuple):
     block_q: int = 64
     block_kv: int = 64
     key_block_q: int = 64
-    stages: int = 2
+    stages: int = 3   # faster than 2 at 8K-128K: research/mosaic_gpu_cca_bwd_h200.md
     compute_wgs: int = 2
     softmax_head_dim: int = 0
 
