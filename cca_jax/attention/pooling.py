@@ -14,6 +14,7 @@ size.
 from __future__ import annotations
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def _pool_max(q_last, k_members, v_members):
     return jnp.broadcast_to(ck, shape), jnp.broadcast_to(cv, shape)
 
 
-POOLING_FNS = {"cca": _pool_cca, "mean": _pool_mean, "max": _pool_max}
+POOLING_FNS = types.MappingProxyType({"cca": _pool_cca, "mean": _pool_mean, "max": _pool_max})
 
 
 def pool_core_tokens(q, k, v, *, group_size: int, num_groups: int, pooling: str = "cca",

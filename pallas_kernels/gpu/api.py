@@ -8,6 +8,8 @@ sliding, streaming, CCA) is such a pattern. The slots and bounds are prepared by
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 
@@ -34,10 +36,10 @@ def _check_narrow(name: str, value, interpret: bool) -> None:
 
 # float32 inputs: the bf16 tiles would need up to 260 KiB of shared memory on sm_90 (limit
 # 227 KiB); these fit (offline ptxas check), at some register spilling in dk/dv and dck/dcv.
-_FLOAT32_TILING = dict(block_q=64, block_k=32, num_warps=8, num_stages=2,
+_FLOAT32_TILING = types.MappingProxyType(dict(block_q=64, block_k=32, num_warps=8, num_stages=2,
                        dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=2,
                        dkv_block_k=64, dkv_block_q=32, dkv_num_warps=8, dkv_num_stages=2,
-                       dc_block_k=64, dc_block_q=32, dc_num_warps=8, dc_num_stages=2)
+                       dc_block_k=64, dc_block_q=32, dc_num_warps=8, dc_num_stages=2))
 
 
 def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelConfig:

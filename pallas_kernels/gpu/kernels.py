@@ -2,9 +2,9 @@
 
 Layout: q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`, slots ck/cv `[B, m, Hq, D]` (prepared by the
 caller: `cca_jax.attention.pallas_gpu` pools them in XLA), per-row int32 bounds
-raw_lo/core_lo/core_hi `[B, L]` (`cca_jax.blocks.pattern_ranges`). Nothing is transposed; sequences are zero-padded to whole
-blocks (padded rows see only their own zero key, so every loaded value is finite; in
-interpret mode nothing is ever read out of bounds).
+raw_lo/core_lo/core_hi `[B, L]` (`cca_jax.blocks.pattern_ranges`). Nothing is transposed;
+sequences are zero-padded to whole blocks (padded rows see only their own zero key, so every
+loaded value is finite; in interpret mode nothing is ever read out of bounds).
 
 Kernels (grid dims: block, head, batch, at most 3 as the Triton lowering requires; launch order
 heavy first where that is faster, see `KernelConfig.forward_heavy_first`):
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from typing import NamedTuple
 
 import jax
@@ -154,7 +155,7 @@ def _cond_loops(bounds, body, carry):
 
 # Block walks by name (KernelConfig.*_loop_style): three loops (masked edge, unmasked middle,
 # masked edge) or one loop whose edge iterations mask behind a uniform branch.
-LOOP_STYLES = {"split": _split_loops, "cond": _cond_loops}
+LOOP_STYLES = types.MappingProxyType({"split": _split_loops, "cond": _cond_loops})
 _LOOP_STYLE_FIELDS = ("forward_loop_style", "dq_loop_style", "key_loop_style")
 _HEAVY_FIRST_FIELDS = ("forward_heavy_first", "dq_heavy_first", "dcore_heavy_first")
 
