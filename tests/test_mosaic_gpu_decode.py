@@ -133,6 +133,10 @@ INTERPRETED = {
     # slot blocks of 32 per head (the second starts at 8), a wrap across both ring blocks.
     "several_blocks": dict(bounds=([90, 20], [60, 80], [40, 33]), ring=100, num_slots=40,
                            splits=2, stages=2),
+    # R = 70, C = 21 (MQA, G = 4): above a block but not whole 8-row tiles, zero-padded to
+    # 72 and 24 entries that no row sees; row 0 wraps, row 1 reads the whole ring.
+    "sizes_off_the_tiles": dict(bounds=([65, 0], [10, 70], [21, 5]), ring=70, num_slots=21,
+                                hkv=1, splits=2),
 }
 
 
@@ -205,9 +209,14 @@ def test_lowers_for_cuda(b, hq, hkv, d, dtype, layers, tiling):
 
 
 def test_lowers_for_cuda_with_tiny_and_empty_caches():
-    """A ring and slots smaller than a block (zero-padded), and C = 0."""
+    """A ring and slots smaller than a block (zero-padded), C = 0, and (float16 MQA, G = 8:
+    16 slots a head per step) a ring and slot count above a block but not whole 8-row
+    tiles (padded; the H200 refused C = 20 at G = 8 before)."""
     for num_slots in (5, 0):
         text = _lowered_text(2, 4, 2, 64, 20, num_slots, "bfloat16", 2)
+        assert text.count("mosaic_gpu_v2(") == 1
+    for layout in ("bchd", "bhcd"):
+        text = _lowered_text(2, 8, 1, 64, 1037, 20, "float16", 2, slot_layout=layout)
         assert text.count("mosaic_gpu_v2(") == 1
 
 

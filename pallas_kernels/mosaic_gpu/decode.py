@@ -370,6 +370,12 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, pad)
 
 
+def _tile_rows(size: int, block: int) -> int:
+    """Rows a cache axis of `size` entries is padded to: at least one block of `block`,
+    whole 8-row tiles (the TMA copies' tiling)."""
+    return max(block, -(-size // 8) * 8)
+
+
 def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeConfig,
                     stacked: bool, interpret=None):
     """Checked inputs (cache arrays `[L, B, ...]` when `stacked`, else `[B, ...]`) -> the
@@ -381,9 +387,12 @@ def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeC
     groups = hq // hkv
     slot_axis = 2 if cfg.slot_layout == "bchd" else 3
     num_slots = ck.shape[slot_axis]
-    # Caches smaller than one block: zero-padded (a few KiB; never visible).
-    k_ring, v_ring = (_pad_axis(x, 2, cfg.block) for x in (k_ring, v_ring))
-    ck, cv = (_pad_axis(x, slot_axis, cfg.block // groups) for x in (ck, cv))
+    # Zero-padded (never visible): caches smaller than one block (a few KiB), and a ring or
+    # slot count that is not whole 8-row TMA tiles (a copy of the cache each step: sizes
+    # from `max_len` and `group_size` are normally multiples of 8).
+    k_ring, v_ring = (_pad_axis(x, 2, _tile_rows(ring, cfg.block)) for x in (k_ring, v_ring))
+    ck, cv = (_pad_axis(x, slot_axis, _tile_rows(num_slots, cfg.block // groups))
+              for x in (ck, cv))
     bounds = [jnp.asarray(x).astype(jnp.int32) for x in bounds]   # no-ops on int32
     layer = jnp.asarray(layer).astype(jnp.int32).reshape(1)
     q_rows = _pad_axis(q.astype(k_ring.dtype).reshape(b, hkv, groups, d), 2, _ROWS)
