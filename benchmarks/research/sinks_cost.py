@@ -1,0 +1,118 @@
+"""What CCA's sink tokens cost: CCA with and without sinks, timed in one process, round-robin.
+
+    python benchmarks/research/sinks_cost.py [--impls mosaic_gpu,pallas_gpu] [--length 131072]
+        [--hkv 8] [--sinks 0,4]
+
+Separate runs of `benchmarks/attention.py --sink-tokens N` differ by 1-2% from clock and power
+drift alone, about what sinks are expected to cost (N raw keys become N more slots of each
+row: ~N more visited keys out of ~5000 at 128K). Here every (implementation, sinks, mode)
+program is compiled first, then all are timed one call each per round (median over
+--rounds), so drift hits every one alike. A call is the whole backend (`run_attention`:
+pooling, bounds and the kernels), bf16, B = 1, Hq = 32, D = 128, CCA g = 16, s = 1024;
+`fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v. Writes `<out>.json` (records stamped
+with commit, device, jax, date, command) and `<out>.md` (each time and its ratio to the same
+implementation and mode without sinks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
+from benchmarks.measure import stamp, write_results  # noqa: E402
+from cca_jax.attention import run_attention  # noqa: E402
+from cca_jax.blocks import CCA  # noqa: E402
+
+
+def _program(impl: str, pattern, mode: str):
+    """jit of one backend call (`fwd`) or of its q/k/v gradients (`fwd+bwd`)."""
+    def fwd(q, k, v, ct):
+        return run_attention(q, k, v, pattern, implementation=impl)
+
+    def grads(q, k, v, ct):
+        return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, ct).astype(jnp.float32) * ct),
+                        argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(fwd if mode == "fwd" else grads)
+
+
+def _round_robin(calls: dict, args: tuple, rounds: int) -> dict:
+    """name -> median ms over `rounds` rounds of one call of each (after two warm-ups)."""
+    times = {name: [] for name in calls}
+    for fn in calls.values():
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="mosaic_gpu,pallas_gpu")
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--s", type=int, default=1024)
+    ap.add_argument("--sinks", default="0,4")
+    ap.add_argument("--modes", default="fwd,fwd+bwd")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results/research/sinks_cost_h200")
+    args = ap.parse_args(argv)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, args.length, args.hq, args.d), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, args.length, args.hkv, args.d), jnp.bfloat16)
+            for x in keys[1:3])
+    ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+    inputs = jax.block_until_ready((q, k, v, ct))
+    base = stamp(argv)
+    records, calls = [], {}
+    for impl in args.impls.split(","):
+        for sinks in map(int, args.sinks.split(",")):
+            for mode in args.modes.split(","):
+                rec = dict(base, impl=impl, sink_tokens=sinks, mode=mode, L=args.length,
+                           hq=args.hq, hkv=args.hkv, d=args.d, g=args.g, s=args.s, b=1,
+                           dtype="bfloat16")
+                start = time.perf_counter()
+                try:   # compile everything before timing anything
+                    fn = _program(impl, CCA(args.g, args.s, sinks), mode)
+                    calls[(impl, sinks, mode)] = fn.lower(*inputs).compile()
+                except Exception as e:  # noqa: BLE001  (record and go on)
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                rec["compile_s"] = round(time.perf_counter() - start, 1)
+                print(rec.get("error", f"compiled {impl} sinks={sinks} {mode} in "
+                                       f"{rec['compile_s']} s"), flush=True)
+                records.append(rec)
+    medians = _round_robin(calls, inputs, args.rounds)
+    rows = ["| impl | mode | sinks | ms | x no sinks |", "| --- | --- | --- | --- | --- |"]
+    for rec in records:
+        key = (rec["impl"], rec["sink_tokens"], rec["mode"])
+        if key not in medians:
+            rows.append(f"| {key[0]} | {key[2]} | {key[1]} | error | |")
+            continue
+        rec["ms"] = medians[key]
+        plain = medians.get((rec["impl"], 0, rec["mode"]))
+        rec["x_no_sinks"] = rec["ms"] / plain if plain else None
+        ratio = "" if plain is None else f"{rec['x_no_sinks']:.4f}"
+        rows.append(f"| {key[0]} | {key[2]} | {key[1]} | {rec['ms']:.2f} | {ratio} |")
+    header = (f"CCA with and without sinks, round-robin in one process: L = {args.length}, "
+              f"Hq = {args.hq}, Hkv = {args.hkv}, D = {args.d}, g = {args.g}, s = {args.s}, "
+              f"bf16; {base['device']}, jax {base['jax']}, {base['date']}, commit "
+              f"{base['commit']}\nCommand: `{base['command']}`\n\n")
+    write_results(args.out, records, header + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
