@@ -370,7 +370,9 @@ def test_full_queue_no_template_and_shutdown(ckpt, compile_cache, server, tmp_pa
         warm, cold = srv.health(), server.health()
         assert cold["cache_hits_at_startup"] == 0 and warm["cache_hits_at_startup"] >= 4, warm
         assert warm["cache_hits_at_startup"] == warm["compilations_at_startup"], warm
-        body = {"model": "plain", "prompt": [1], "max_tokens": 200, "temperature": 0,
+        # the longest answer the cache allows: the 4 rows must still be busy at the 5th
+        # request (a tiny model decodes ~100 tokens/s on a loaded CPU; 200 ran out once)
+        body = {"model": "plain", "prompt": [1], "max_tokens": MAX_LEN - 1, "temperature": 0,
                 "stream": True}
         with contextlib.ExitStack() as streams:
             lines = []
