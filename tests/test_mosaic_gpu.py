@@ -635,7 +635,7 @@ def test_interpreted_backward_matches_float64(case):
     CCA with packed rows (segment ids), with sinks, and full attention (no slots). The
     interpreter runs plain dots where the GPU runs wgmma (module docstring)."""
     from cca_jax.attention.pooling import slots_and_bounds
-    from pallas_kernels.mosaic_gpu.api import _interpret_params
+    from pallas_kernels.mosaic_gpu.interpret import interpret_params
     from pallas_kernels.mosaic_gpu.backward import mosaic_backward
     from tests.row_errors import row_max_error
     pattern, length, hq, hkv, packed, tiling = INTERPRETED_BACKWARD[case]
@@ -647,7 +647,7 @@ def test_interpreted_backward_matches_float64(case):
     out, lse, want = _core_reference64(q, k, v, ck, cv, *bounds, dout)
     got = mosaic_backward(q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype),
                           jnp.asarray(lse, jnp.float32), dout, mosaic_backward_config(**tiling),
-                          interpret=_interpret_params(True))
+                          interpret=interpret_params(True))
     for name, g, w in zip(("dq", "dk", "dv", "dck", "dcv"), got, want):
         assert g.shape == w.shape and g.dtype == q.dtype, name
         if w.size == 0:

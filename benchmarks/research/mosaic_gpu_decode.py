@@ -50,9 +50,10 @@ def _kernels(mosaic_tilings: list, interpret: bool = False) -> dict:
     tiny --hq, --layers, --context, --max-len)."""
     from pallas_kernels.gpu import decode_attention_pallas_gpu
     from pallas_kernels.mosaic_gpu import decode as mdecode
+    from pallas_kernels.mosaic_gpu.interpret import interpret_params
     kernels = {"triton": lambda q, i, k, v, ck, cv, b: decode_attention_pallas_gpu(
         q, k, v, ck, cv, b, layer=i, out_dtype=q.dtype, interpret=interpret)}
-    params = mdecode._interpret_params(interpret)
+    params = interpret_params(interpret)
     # jitted once per tiling: inside the layer sweep, one kernel lowered and reused (an
     # un-jitted call would lower and compile the Mosaic kernel once per layer: 30-40 s)
     partials = jax.jit(mdecode.decode_partials, static_argnums=(7, 8, 9))

@@ -38,12 +38,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from cca_jax.blocks import DecodeBounds
+from pallas_kernels.shapes import check_decode_inputs
 
 SUPPORTED_DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
 SLOT_LAYOUTS = ("bchd", "bhcd")  # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
@@ -290,16 +290,6 @@ def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig
     return _merge(acc, m, l, out_dtype, cfg)
 
 
-def _check_bounds(bounds, batch: int) -> None:
-    if len(bounds) != 3:
-        raise ValueError("bounds must be (ring_first, ring_count, num_slots), e.g. "
-                         "cca_jax.blocks.decode_bounds(pattern, positions, R, C).")
-    for name, x in zip(DecodeBounds._fields, bounds):
-        if np.shape(x) != (batch,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(f"bounds.{name} must be an int array [B={batch}], got "
-                             f"{jnp.result_type(x)} {np.shape(x)}.")
-
-
 def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
                                 out_dtype=jnp.float32, interpret=None, **tiling):
     """`cca_jax.decode.cached_attention` with per-row bounds instead of masks; `out_dtype`
@@ -317,31 +307,11 @@ def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = decode_config(interpret=interpret, **tiling)
-    shapes = [np.shape(x) for x in (k_ring, v_ring, ck, cv)]
-    lead = () if layer is None else (None,)       # the layers axis, any size
-    if np.ndim(q) != 3 or any(len(x) != 4 + len(lead) for x in shapes):
-        raise ValueError(
-            f"q must be [B, Hq, D] and the cache arrays [B, ...] 4-D (or [L, B, ...] 5-D with "
-            f"layer=); got q {np.shape(q)}, {shapes} with layer={layer!r}.")
-    b, hq, d = np.shape(q)
+    b, hq, d, hkv = check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds,
+                                        stacked=layer is not None, slot_layout=cfg.slot_layout)
     if d not in SUPPORTED_DECODE_HEAD_DIMS:
         raise ValueError(f"the Pallas GPU decode kernel supports head_dim in "
                          f"{SUPPORTED_DECODE_HEAD_DIMS}, got {d}; use cached_attention (XLA).")
-    k_shape, v_shape, ck_shape, cv_shape = (x[len(lead):] for x in shapes)
-    ring, hkv = k_shape[1], k_shape[2]
-    if (k_shape[0], k_shape[3]) != (b, d) or v_shape != k_shape or ring < 1 or hq % hkv:
-        raise ValueError(f"k_ring and v_ring must be [B, R, Hkv, D] with R >= 1 and Hq a "
-                         f"multiple of Hkv; got q {np.shape(q)}, {shapes[0]}, {shapes[1]}.")
-    slot_axis = 1 if cfg.slot_layout == "bchd" else 2
-    want = [b, ck_shape[slot_axis], ck_shape[slot_axis], d]
-    want[3 - slot_axis] = hq
-    if (list(ck_shape) != want or cv_shape != ck_shape
-            or shapes[2][:len(lead)] != shapes[0][:len(lead)]):
-        layout = "[B, C, Hq, D]" if slot_axis == 1 else "[B, Hq, C, D]"
-        raise ValueError(f"ck and cv must be {layout} (slot_layout={cfg.slot_layout!r}) "
-                         f"like the ring; got {shapes[2]} and {shapes[3]} for q "
-                         f"{np.shape(q)}, ring {shapes[0]}.")
-    _check_bounds(bounds, b)
     return decode_attention(q, k_ring, v_ring, ck, cv, 0 if layer is None else layer,
                             DecodeBounds(*bounds), cfg, layer is not None,
                             jnp.dtype(out_dtype))

@@ -20,6 +20,7 @@ from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicBackwardConfig, M
                                               check_backward_shared_memory,
                                               check_shared_memory, mosaic_backward_config,
                                               mosaic_config)
+from pallas_kernels.mosaic_gpu.interpret import interpret_params
 from pallas_kernels.shapes import check_blocked_inputs
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -101,19 +102,6 @@ def _backward_config(backward: str, dtype, width: int, softmax_head_dim: int, ba
     return cfg._replace(softmax_head_dim=softmax_head_dim)
 
 
-def _interpret_params(interpret):
-    """None (compile), or the GPU interpreter's params for `interpret` (True: defaults)."""
-    if interpret is None or interpret is False:
-        return None
-    if interpret is True:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        params = getattr(plgpu, "InterpretGPUParams", None)   # public from jax 0.11
-        if params is None:                                    # jax 0.10: private only
-            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-        return params()
-    return interpret
-
-
 def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
                                  backward="mosaic", backward_tiling=None, interpret=None,
                                  **tiling):
@@ -149,7 +137,7 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     if width != d:
         cfg = cfg._replace(softmax_head_dim=d)
         q, k, v, ck, cv = (_pad_head_dim(x, width) for x in (q, k, v, ck, cv))
-    interpret = _interpret_params(interpret)
+    interpret = interpret_params(interpret)
     backward_cfg = _backward_config(backward, q.dtype, width, cfg.softmax_head_dim,
                                     backward_tiling, interpret is not None)
     out = mosaic_core_attention(q, k, v, ck, cv, *(x.astype(jnp.int32) for x in bounds), cfg,

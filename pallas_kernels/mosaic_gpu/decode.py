@@ -40,12 +40,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from cca_jax.blocks import DecodeBounds
+from pallas_kernels.mosaic_gpu.interpret import interpret_params
+from pallas_kernels.shapes import check_decode_inputs
 
 HEAD_DIMS = (64, 128)
 BLOCKS = (64, 128, 256)    # the value product's K: a multiple of 64 (128-byte swizzle)
@@ -413,28 +414,6 @@ def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecode
     return _merge(acc, ml, out_dtype)
 
 
-def _check_bounds(bounds, batch: int) -> None:
-    if len(bounds) != 3:
-        raise ValueError("bounds must be (ring_first, ring_count, num_slots), e.g. "
-                         "cca_jax.blocks.decode_bounds(pattern, positions, R, C).")
-    for name, x in zip(DecodeBounds._fields, bounds):
-        if np.shape(x) != (batch,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(f"bounds.{name} must be an int array [B={batch}], got "
-                             f"{jnp.result_type(x)} {np.shape(x)}.")
-
-
-def _interpret_params(interpret):
-    """None (compile), or the GPU interpreter's params (True: its defaults)."""
-    if interpret is None or interpret is False:
-        return None
-    if interpret is True:
-        params = getattr(plgpu, "InterpretGPUParams", None)   # public from jax 0.11
-        if params is None:                                    # jax 0.10: private only
-            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-        return params()
-    return interpret
-
-
 def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
                                 out_dtype=jnp.float32, interpret=None, **tiling):
     """`decode_attention_pallas_gpu`'s contract through the Mosaic GPU kernel (sm_90).
@@ -452,13 +431,8 @@ def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     `InterpretGPUParams`) runs jax's GPU interpreter on the CPU (tiny shapes only).
     """
     cfg = decode_config(**tiling)
-    shapes = [np.shape(x) for x in (k_ring, v_ring, ck, cv)]
-    lead = () if layer is None else (None,)
-    if np.ndim(q) != 3 or any(len(x) != 4 + len(lead) for x in shapes):
-        raise ValueError(
-            f"q must be [B, Hq, D] and the cache arrays [B, ...] 4-D (or [L, B, ...] 5-D with "
-            f"layer=); got q {np.shape(q)}, {shapes} with layer={layer!r}.")
-    b, hq, d = np.shape(q)
+    b, hq, d, hkv = check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds,
+                                        stacked=layer is not None, slot_layout=cfg.slot_layout)
     if d not in HEAD_DIMS:
         raise ValueError(f"the Mosaic GPU decode kernel supports head_dim in {HEAD_DIMS}, got "
                          f"{d}; use implementation='pallas_gpu' or 'xla'.")
@@ -467,22 +441,7 @@ def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
         raise ValueError(f"the Mosaic GPU decode kernel takes a bfloat16 or float16 cache of "
                          f"one dtype, got {sorted(str(x) for x in dtypes)}; use "
                          f"implementation='pallas_gpu' (any float dtype) or 'xla'.")
-    k_shape, v_shape, ck_shape, cv_shape = (x[len(lead):] for x in shapes)
-    ring, hkv = k_shape[1], k_shape[2]
-    if (k_shape[0], k_shape[3]) != (b, d) or v_shape != k_shape or ring < 1 or hq % hkv:
-        raise ValueError(f"k_ring and v_ring must be [B, R, Hkv, D] with R >= 1 and Hq a "
-                         f"multiple of Hkv; got q {np.shape(q)}, {shapes[0]}, {shapes[1]}.")
-    slot_axis = 1 if cfg.slot_layout == "bchd" else 2
-    want = [b, ck_shape[slot_axis], ck_shape[slot_axis], d]
-    want[3 - slot_axis] = hq
-    if (list(ck_shape) != want or cv_shape != ck_shape
-            or shapes[2][:len(lead)] != shapes[0][:len(lead)]):
-        layout = "[B, C, Hq, D]" if slot_axis == 1 else "[B, Hq, C, D]"
-        raise ValueError(f"ck and cv must be {layout} (slot_layout={cfg.slot_layout!r}) "
-                         f"like the ring; got {shapes[2]} and {shapes[3]} for q "
-                         f"{np.shape(q)}, ring {shapes[0]}.")
-    _check_bounds(bounds, b)
     check_shapes(cfg, hq // hkv, d, next(iter(dtypes)).itemsize)
     return decode_attention(q, k_ring, v_ring, ck, cv, 0 if layer is None else layer,
                             DecodeBounds(*bounds), cfg, layer is not None,
-                            jnp.dtype(out_dtype), _interpret_params(interpret))
+                            jnp.dtype(out_dtype), interpret_params(interpret))
