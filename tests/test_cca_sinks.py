@@ -367,6 +367,7 @@ def test_pallas_gpu_kernels_interpret():
         assert _max_err(got, want) < 4 * GRAD_TOL, (dname, _max_err(got, want))
 
 
+@pytest.mark.slow   # ~30 s interpreted; the sinks kernels path stays in the default run
 def test_pallas_gpu_narrow_edge_blocks_interpret():
     """Sinks off the group grid with s a multiple of the blocks (the paper's geometry, where
     the kernels visit narrow head/tail blocks: `blocks.narrow_head` / `narrow_tail`): forward

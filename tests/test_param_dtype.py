@@ -8,6 +8,7 @@ half its spacing and rounds away. A float32 parameter keeps it; the activations 
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -48,6 +49,7 @@ def _changed_fraction(param_dtype: str) -> float:
     return changed / sum(x.size for x in before.values())
 
 
+@pytest.mark.slow   # ~40 s: two short training runs
 def test_float32_parameters_keep_the_updates_bfloat16_rounds_away():
     kept = _changed_fraction("float32")
     rounded = _changed_fraction("bfloat16")

@@ -445,6 +445,7 @@ def test_compile_cache_flags(tmp_path, monkeypatch):
     assert json.dumps(str(default_compile_cache_dir()))
 
 
+@pytest.mark.slow   # ~25 s: the benchmark's code path (the H200 run is its real use)
 def test_serve_trace_benchmark_small_mode(tmp_path):
     """benchmarks/serve_trace.py --small: the H200 trace's code path on a tiny model, in
     process (no start-time children)."""
