@@ -110,3 +110,19 @@ def write_results(out: str, records: list, table: str) -> None:
         json.dump(records, f, indent=1)
     with open(out + ".md", "w") as f:
         f.write(table)
+
+
+def round_robin(calls: dict, rounds: int, warmups: int = 2) -> dict:
+    """name -> median milliseconds of `fn(*args)` for `calls` = {name: (fn, args)}: after
+    `warmups` calls of each, `rounds` rounds of one call of each in turn, so that clock and
+    power drift hit every program alike."""
+    times = {name: [] for name in calls}
+    for fn, args in calls.values():
+        for _ in range(warmups):
+            jax.block_until_ready(fn(*args))
+    for _ in range(rounds):
+        for name, (fn, args) in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}

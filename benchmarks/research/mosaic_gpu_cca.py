@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
-from benchmarks.measure import rel_l2, stamp, write_results  # noqa: E402
+from benchmarks.measure import rel_l2, round_robin, stamp, write_results  # noqa: E402
 from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -100,20 +99,6 @@ def _prepared(length: int, hq: int, hkv: int, d: int, pattern):
     return jax.block_until_ready((q, k, v, *prepared))
 
 
-def _round_robin(calls: dict, rounds: int) -> dict:
-    """name -> median ms over `rounds` rounds of one call of each (after two warm-ups)."""
-    times = {name: [] for name in calls}
-    for fn, args in calls.values():
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-    for _ in range(rounds):
-        for name, (fn, args) in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="8192,32768,131072")
@@ -168,7 +153,7 @@ def main(argv=None):
                 print(rec.get("error", f"compiled {name} ({mode}) L={length} hkv={hkv} "
                                        f"in {rec['compile_s']} s"), flush=True)
                 records.append(rec)
-    medians = _round_robin(calls, args.rounds)
+    medians = round_robin(calls, args.rounds)
     for rec in records:
         key = (rec["L"], rec["hkv"], rec["kernel"], rec["mode"])
         field = "fwd" if rec["mode"] == "fwd" else "fwd_bwd"   # fwd_ms / fwd_bwd_ms

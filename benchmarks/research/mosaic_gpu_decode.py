@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -33,7 +32,7 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
-from benchmarks.measure import stamp, write_results  # noqa: E402
+from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 
 D, DTYPE = 128, jnp.bfloat16
@@ -102,19 +101,6 @@ def chained(attend, layers: int):
     return jax.jit(run)
 
 
-def _round_robin(calls: dict, rounds: int) -> dict:
-    """name -> median seconds over `rounds` rounds of one call of each (after a warm-up)."""
-    times = {name: [] for name in calls}
-    for fn, args in calls.values():
-        jax.block_until_ready(fn(*args))
-    for _ in range(rounds):
-        for name, (fn, args) in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def _row_error(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.max(np.abs(out - ref).max(-1) / np.linalg.norm(ref, axis=-1)))
@@ -149,11 +135,11 @@ def run_case(args, base: dict, kernels: dict, batch: int, hkv: int) -> list:
         print(rec.get("error", f"compiled {name} B={batch} Hkv={hkv} in {rec['compile_s']} s"),
               flush=True)
         records.append(rec)
-    medians = _round_robin(calls, args.rounds)
+    medians = round_robin(calls, args.rounds, warmups=1)
     for rec in records:
         name = rec["kernel"]
         if name in medians:
-            rec["ms_per_layer"] = 1e3 * medians[name] / args.layers
+            rec["ms_per_layer"] = medians[name] / args.layers
             rec["gbps_visible"] = visible / (rec["ms_per_layer"] * 1e-3) / 1e9
             if not name.startswith("mosaic_gpu/kernel") and name != "triton" \
                     and "triton" in outputs:

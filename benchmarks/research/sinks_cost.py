@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import stamp, write_results  # noqa: E402
+from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
 from cca_jax.attention import run_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -41,20 +40,6 @@ def _program(impl: str, pattern, mode: str):
         return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, ct).astype(jnp.float32) * ct),
                         argnums=(0, 1, 2))(q, k, v)
     return jax.jit(fwd if mode == "fwd" else grads)
-
-
-def _round_robin(calls: dict, args: tuple, rounds: int) -> dict:
-    """name -> median ms over `rounds` rounds of one call of each (after two warm-ups)."""
-    times = {name: [] for name in calls}
-    for fn in calls.values():
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None):
@@ -95,7 +80,7 @@ def main(argv=None):
                 print(rec.get("error", f"compiled {impl} sinks={sinks} {mode} in "
                                        f"{rec['compile_s']} s"), flush=True)
                 records.append(rec)
-    medians = _round_robin(calls, inputs, args.rounds)
+    medians = round_robin({key: (fn, inputs) for key, fn in calls.items()}, args.rounds)
     rows = ["| impl | mode | sinks | ms | x no sinks |", "| --- | --- | --- | --- | --- |"]
     for rec in records:
         key = (rec["impl"], rec["sink_tokens"], rec["mode"])

@@ -67,16 +67,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
         def wide(x):
             return lax.broadcast_in_dim(x, (bq, bk), [0])
 
-        def iota(dim):
-            return as_tile(lax.broadcasted_iota(jnp.int32, (bq, bk), dim))
-
-        def raw_visible(block):
-            keys = iota(1) + block * bk
-            return (keys >= wide(raw_lo)) & (keys <= iota(0) + r0)
-
-        def core_visible(block):
-            slots = iota(1) + block * bk
-            return (slots >= wide(core_lo)) & (slots < wide(core_hi))
+        raw_visible, core_visible = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, bk),
+                                                       as_tile)
 
         def step(s, block, dq, masked, visible):
             slot = lax.rem(s, jnp.int32(stages))

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu import pipeline
 from pallas_kernels.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
@@ -103,16 +104,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         def wide(x):
             return lax.broadcast_in_dim(x, (bq, bk), [0])
 
-        def iota(dim):
-            return as_tile(lax.broadcasted_iota(jnp.int32, (bq, bk), dim))
-
-        def raw_visible(block):
-            keys = iota(1) + block * bk
-            return (keys >= wide(raw_lo)) & (keys <= iota(0) + r0)
-
-        def core_visible(block):
-            slots = iota(1) + block * bk
-            return (slots >= wide(core_lo)) & (slots < wide(core_hi))
+        raw_visible, core_visible = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, bk),
+                                                       as_tile)
 
         def step(s, block, carry, visible):
             """One pipeline step: ring slot s % stages holds the block's keys and values."""

@@ -1,6 +1,7 @@
-"""Pieces the Mosaic GPU backward kernels share: layout casts, the two kinds of matrix
-product (wgmma on the GPU, plain dots under the GPU interpreter), the producer's ring of
-shared-memory buffers, and the split block walk of the consumers.
+"""Pieces the Mosaic GPU kernels share: layout casts, the two kinds of matrix product (wgmma
+on the GPU, plain dots under the GPU interpreter), the producer's ring of shared-memory
+buffers, the split block walk of the consumers, and the row-bounds masks of a score tile
+(the forward uses the masks too).
 
 Every backward kernel is one CTA of `compute_wgs` consumer warpgroups and one producer
 warpgroup (the last). The producer TMA-copies each step's operands into ring slot
@@ -74,6 +75,28 @@ def accumulate_and_score(acc, a, b_smem, c_smem, d_smem, interpreted: bool):
     zeros = plgpu.layout_cast(jnp.zeros((c_smem.shape[0], d_smem.shape[0]), jnp.float32),
                               plgpu.Layout.WGMMA)
     return pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
+
+
+def row_masks(raw_lo, core_lo, core_hi, first_row, shape, as_tile):
+    """(raw_visible(block), core_visible(block)): the entries of a `shape` = (rows, keys)
+    score tile, for query rows `first_row + i` with per-row bounds (vectors along the rows),
+    that see key block `block`: raw keys `[raw_lo, row]`, or slots `[core_lo, core_hi)`."""
+    _, keys = shape
+
+    def wide(x):
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    def iota(dim):
+        return as_tile(lax.broadcasted_iota(jnp.int32, shape, dim))
+
+    def raw_visible(block):
+        key = iota(1) + block * keys
+        return (key >= wide(raw_lo)) & (key <= iota(0) + first_row)
+
+    def core_visible(block):
+        slot = iota(1) + block * keys
+        return (slot >= wide(core_lo)) & (slot < wide(core_hi))
+    return raw_visible, core_visible
 
 
 def produce(n_steps, stages: int, copy, free) -> None:

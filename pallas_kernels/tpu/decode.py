@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cca_jax import blocks
 from cca_jax.blocks import DecodeBounds
+from pallas_kernels.shapes import check_decode_inputs as check_decode_contract
 from pallas_kernels.tpu.common import (LANES, MASKED, KernelConfig, clamp_visit,
                                        compiler_params, dot_nt, iota, online_softmax_step)
 
@@ -163,25 +163,10 @@ def decode_attention(q, k_ring, v_ring, ck, cv, bounds: DecodeBounds, layer, cfg
 
 
 def check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds, stacked: bool, cfg: KernelConfig):
-    """ValueError naming the fix unless the shapes fit (`decode_attention_pallas_tpu`)."""
-    lead = 1 if stacked else 0
-    shapes = [np.shape(x) for x in (k_ring, v_ring, ck, cv)]
-    if np.ndim(q) != 3 or any(len(s) != 4 + lead for s in shapes):
-        raise ValueError(f"q must be [B, Hq, D] and the cache arrays [B, ...] 4-D (or "
-                         f"[L, B, ...] 5-D with layer=); got q {np.shape(q)}, {shapes}.")
-    b, hq, d = np.shape(q)
-    k_shape, v_shape, ck_shape, cv_shape = (s[lead:] for s in shapes)
-    ring, hkv = k_shape[1], k_shape[2]
-    if (k_shape[0], k_shape[3]) != (b, d) or v_shape != k_shape or ring < 1 or hq % hkv:
-        raise ValueError(f"k_ring and v_ring must be [B, R, Hkv, D] with R >= 1 and Hq a "
-                         f"multiple of Hkv; got q {np.shape(q)}, {shapes[0]}, {shapes[1]}.")
-    if ck_shape[0] != b or ck_shape[2:] != (hq, d) or cv_shape != ck_shape:
-        raise ValueError(f"ck and cv must be [B, C, Hq, D]; got {shapes[2]} and {shapes[3]} "
-                         f"for q {np.shape(q)}.")
+    """ValueError naming the fix unless the shapes fit (`decode_attention_pallas_tpu`): the
+    decode contract (`pallas_kernels.shapes`, slots `[B, C, Hq, D]`), then the lanes."""
+    _, _, d, _ = check_decode_contract(q, k_ring, v_ring, ck, cv, bounds, stacked=stacked)
     if d % LANES and cfg.interpret is False:
         raise ValueError(f"the TPU decode kernel needs head_dim a multiple of {LANES} (got "
                          f"{d}): padding would copy the cache every step; use "
                          "cca_jax.decode.cached_attention (XLA).")
-    if len(bounds) != 3 or any(np.shape(x) != (b,) for x in bounds):
-        raise ValueError("bounds must be (ring_first, ring_count, num_slots), int [B] each: "
-                         "cca_jax.blocks.decode_bounds(pattern, positions, R, C).")
