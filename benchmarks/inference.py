@@ -50,6 +50,12 @@ from benchmarks.measure import PAPER_PATTERNS, read_records, write_results  # no
 SHAPES = {
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    # head dims 80 and 96 (zero-padded to the 128-wide kernels; the decode kernel reads the
+    # cache in place, masked): phi-2's and phi-3-mini's widths as LLaMA-family shapes
+    "d80-2.7b": dict(vocab_size=32000, hidden_size=2560, intermediate_size=10240,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    "d96-3.8b": dict(vocab_size=32000, hidden_size=3072, intermediate_size=8192,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
     "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, dtype="float32",
                  param_dtype="float32"),
@@ -122,7 +128,8 @@ def bench_ours(kind: str, args) -> list[dict]:
         cfg = LlamaConfig(**SHAPES[args.shape],
                           max_position_embeddings=_max_len(max(contexts), steps),
                           attention=dict(kind=kind, group_size=p.group_size,
-                                         window_size=p.window_size, sink_tokens=p.sink_tokens))
+                                         window_size=p.window_size, sink_tokens=p.sink_tokens,
+                                         implementation=args.implementation))
         model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     decode_impl = decode_implementation(cfg)
     rng = np.random.default_rng(0)
@@ -140,7 +147,8 @@ def bench_ours(kind: str, args) -> list[dict]:
             token.block_until_ready()
             return cache, token, time.perf_counter() - start
 
-        rec = dict(impl=kind, context=context, batch=args.batch, chunk=chunk,
+        rec = dict(impl=kind, implementation=cfg.attention.implementation, context=context,
+                   batch=args.batch, chunk=chunk,
                    model=args.ckpt or args.shape,
                    offset_impl=offset_implementation(cfg), decode_impl=decode_impl)
         if args.no_prefill:
@@ -298,6 +306,9 @@ def main(argv=None):
     ap.add_argument("--no-prefill", action="store_true",
                     help="time decode on a cache whose lengths are set to the context")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    ap.add_argument("--implementation", default="auto",
+                    help="the attention implementation of --shape's model (default: auto); "
+                    "prefill chunks and decode steps use that backend's entries")
     ap.add_argument("--ckpt", default=None,
                     help="a converted or fine-tuned checkpoint instead of --shape's random "
                          "weights; its own attention settings replace --impl")

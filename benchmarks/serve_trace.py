@@ -64,6 +64,7 @@ class Trace:
     # A prefill chunk runs between two decode steps: its time adds to the inter-token gap of
     # every running row (at 7B about 7 ms per 512 tokens of MLP alone, on an H200).
     chunk_size: int = 1024
+    decode_chunk_size: int | None = None   # the chunk while rows decode (None: chunk_size)
     prefill_rows: int = 1
     max_batch: int = 0              # cache rows; 0: as many as the device's memory fits
     seed: int = 0
@@ -175,8 +176,8 @@ def start_time(kind: str, args, cache_dir: str) -> float:
     cmd = [sys.executable, os.path.abspath(__file__), "--start-only", "--attention", kind,
            "--compile-cache", cache_dir]
     cmd += ["--small"] if args.small else []
-    for name in ("requests", "new_tokens", "rate", "max_len", "chunk_size", "prefill_rows",
-                 "max_batch", "prompt_lengths"):
+    for name in ("requests", "new_tokens", "rate", "max_len", "chunk_size",
+                 "decode_chunk_size", "prefill_rows", "max_batch", "prompt_lengths"):
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     begin = time.perf_counter()
@@ -190,6 +191,7 @@ def make_engine(model, trace: Trace, max_batch: int, requests: int):
 
     engine = Engine(model, EngineConfig(max_batch=max_batch, max_len=trace.max_len,
                                         chunk_size=trace.chunk_size,
+                                        decode_chunk_size=trace.decode_chunk_size,
                                         prefill_rows=trace.prefill_rows, max_queue=requests),
                     eos=())
     engine.start()
@@ -215,7 +217,8 @@ def bench(kind: str, trace: Trace, args) -> dict:
     mem = jax.devices()[0].memory_stats() or {}
     cfg = model.config
     rec = dict(attention=kind, shape=trace.shape, max_len=trace.max_len, max_batch=batch,
-               chunk_size=trace.chunk_size, prefill_rows=trace.prefill_rows,
+               chunk_size=trace.chunk_size, decode_chunk_size=trace.decode_chunk_size,
+               prefill_rows=trace.prefill_rows,
                prompt_lengths=list(trace.prompt_lengths), new_tokens=trace.new_tokens,
                rate=trace.rate, max_rows_busy=stats["max_rows_busy"],
                compilations_since_ready=stats["compilations_since_ready"],
@@ -255,7 +258,8 @@ def table(records) -> str:
              f"{first['hidden']}), random weights; max_len {first['max_len']}; "
              f"{first['requests']} requests, prompts of {first['prompt_lengths'][0]}-"
              f"{first['prompt_lengths'][1]} tokens, {first['new_tokens']} new tokens each, "
-             f"{first['rate']} arrivals/s; prefill chunk {first['chunk_size']}", "",
+             f"{first['rate']} arrivals/s; prefill chunk {first['chunk_size']} "
+             f"({first.get('decode_chunk_size') or first['chunk_size']} while rows decode)", "",
              "| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for r in records:
         lines.append("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
@@ -273,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="arrivals per second")
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--decode-chunk-size", type=int, default=None)
     ap.add_argument("--prefill-rows", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=None,
                     help="cache rows (default: as many as the device's memory fits; 4 with "
@@ -285,7 +290,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     trace = SMALL if args.small else Trace()
     changes = {k: getattr(args, k) for k in ("requests", "new_tokens", "rate", "max_len",
-                                             "chunk_size", "prefill_rows", "max_batch")
+                                             "chunk_size", "decode_chunk_size",
+                                             "prefill_rows", "max_batch")
                if getattr(args, k) is not None}
     if args.prompt_lengths:
         changes["prompt_lengths"] = tuple(int(x) for x in args.prompt_lengths.split(","))

@@ -388,8 +388,8 @@ def test_mixed_dtypes_rejected():
 def test_kernels_not_available_say_what_to_use():
     """A kernel asked for where it cannot run names the implementation that can."""
     q, k, v = make_inputs((1, 40, 4, 2, 8, 4, 8))
-    wide = [jnp.zeros(x.shape[:-1] + (160,), x.dtype) for x in (q, k, v)]
-    with pytest.raises(ValueError, match="implementation='xla'"):    # head_dim 160 > 128
+    wide = [jnp.zeros(x.shape[:-1] + (320,), x.dtype) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="implementation='xla'"):    # head_dim 320 > 256
         cca_attention(*wide, group_size=4, window_size=8, implementation="pallas_gpu")
     with pytest.raises(ValueError, match="'xla'"):                   # no GPU here
         run_attention(q, k, v, parse_option("full"), implementation="cudnn")

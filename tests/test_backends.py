@@ -24,7 +24,8 @@ def test_supports_gives_the_reason():
         assert xla.supports(Streaming(8), "tpu", "float32", 96, True, entry) is None
     assert BACKENDS["pallas_gpu"].supports(PAPER, "cpu", "float32", 64, True) is None  # interpret
     assert BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 96, False) is None  # padded
-    assert "head_dim" in BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 160, False)
+    assert BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 160, False) is None
+    assert "head_dim" in BACKENDS["pallas_gpu"].supports(PAPER, "gpu", "bfloat16", 320, False)
 
 
 def test_explicit_requests_that_cannot_run_name_the_fix():
@@ -53,10 +54,12 @@ def test_prefill_and_decode_entries():
     assert blocked("cudnn", Full()) == "pallas_gpu"
     assert blocked("naive", PAPER, platform="cpu") == "xla"
     assert blocked("auto", PAPER, d=96) == "pallas_gpu"        # zero-padded to 128
-    assert blocked("auto", PAPER, d=160) == "xla"
+    assert blocked("auto", PAPER, d=160) == "pallas_gpu"     # zero-padded to 256
+    assert blocked("auto", PAPER, d=320) == "xla"
     assert blocked("auto", PAPER, platform="tpu") == "pallas_tpu"
     assert decode("auto", PAPER) == "pallas_gpu"
-    assert decode("auto", PAPER, d=96) == "xla"
+    assert decode("auto", PAPER, d=96) == "pallas_gpu"        # read in place, masked
+    assert decode("auto", PAPER, d=320) == "xla"
     assert decode("auto", PAPER, d=64, platform="tpu") == "xla"   # 128 lanes on a TPU
     assert decode("auto", PAPER, d=128, platform="tpu") == "pallas_tpu"
     assert decode("pallas_tpu", PAPER, d=64, platform="cpu") == "pallas_tpu"   # interpreter
@@ -64,7 +67,8 @@ def test_prefill_and_decode_entries():
 
 def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
     """bf16/fp16 on sm_90+: the Mosaic GPU forward; float32, sm_80 or no GPU: the Triton
-    kernels; the decode step: the Triton decode kernel either way."""
+    kernels; the decode step: the same backend (its own decode kernel or, where that refuses,
+    the Triton one's: tests/test_mosaic_gpu_decode.py)."""
     from cca_jax.attention import pallas_mosaic_gpu
     mosaic = BACKENDS["mosaic_gpu"]
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
@@ -80,7 +84,7 @@ def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
     assert decode_backend("auto", PAPER, head_dim=128, dtype="bfloat16",
                           platform="gpu").name == "mosaic_gpu"
     assert decode_backend("auto", PAPER, head_dim=96, dtype="bfloat16",
-                          platform="gpu").name == "xla"
+                          platform="gpu").name == "mosaic_gpu"   # borrows the Triton kernel
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 8.0)
     assert "sm_8" in mosaic.supports(PAPER, "gpu", "bfloat16", 128, False)
     assert resolve("auto", PAPER, platform="gpu").name == "pallas_gpu"

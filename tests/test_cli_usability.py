@@ -16,6 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("cli_usability")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -37,6 +37,10 @@ from convert.hf_io import ConversionError, open_hf_weights  # noqa: E402
 from convert.hf_to_flax import convert_hf_to_flax  # noqa: E402
 from tests import hf_fixtures as fx  # noqa: E402
 
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("convert")
+
+
 SEQ = 64
 STORIES_LEN = 256   # BOS + 255 greedy tokens: the sequence the perplexities below refer to
 TOL = 1e-4

@@ -18,6 +18,10 @@ from train.data import (ByteTokenizer, build_row, check_vocab, frame_document, m
 from train.data import sources
 from train.data.packing import PackIterDataset
 
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("data")
+
+
 LLAMA_MODEL = Path(__file__).resolve().parents[2] / "shared" / "data" / "llama2_tokenizer.model"
 BYTE = ByteTokenizer()
 KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")

@@ -25,6 +25,10 @@ from cca_jax.model import LlamaForCausalLM
 from tests import hf_fixtures as fx
 
 LLAMA2_TOKENIZER = fx.DATA_DIR / "llama2_tokenizer.model"
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("eval")
+
+
 NQ_ORACLE = fx.DATA_DIR / "nq-open-oracle.jsonl.gz"
 KV_DATA = fx.DATA_DIR / "kv-retrieval-75_keys.jsonl.gz"
 TINY = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -33,6 +33,10 @@ LLAMA2_TOKENIZER = fx.DATA_DIR / "llama2_tokenizer.model"
 
 # ---- sampling ------------------------------------------------------------------------------
 
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("generate")
+
+
 def random_logits(rows=64, vocab=50, seed=0):
     return jnp.asarray(np.random.default_rng(seed).normal(0, 3, (rows, vocab)), jnp.float32)
 

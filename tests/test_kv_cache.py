@@ -39,6 +39,10 @@ from cca_jax.padding import round_up
 from cca_jax.rope import apply_rope, rope_cos_sin
 from tests import visibility_oracle as oracle
 
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("kv_cache")
+
+
 # ---- blocks: the cache's visibility arithmetic ----------------------------------------------
 
 DENSE_LEN = 16

@@ -175,6 +175,61 @@ def test_interpreted_cca_positions_against_the_spec_oracle():
                            seed=10 + i, block=64, splits=2)
 
 
+# ---- CPU: the backend's decode entry ---------------------------------------------------------
+
+def _backend_case(hq, hkv, dtype, seed=0):
+    """A stacked two-layer cache of CCA(8, 40) at max_len 200 (R = 48, C = 20), as a `KVCache`
+    holds it, and positions crossing the first core token and ring wraps."""
+    pattern = blocks.CCA(8, 40)
+    ring, num_slots = blocks.ring_size(pattern, 200), pattern.max_slots(200)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+    positions = jnp.asarray([0, 47, 96, 199], jnp.int32)
+    q = normal(4, hq, 64)
+    k, v = normal(2, 4, ring, hkv, 64), normal(2, 4, ring, hkv, 64)
+    ck, cv = normal(2, 4, num_slots, hq, 64), normal(2, 4, num_slots, hq, 64)
+    return (q, k, v, ck, cv, 1, pattern, positions)
+
+
+def test_backend_decode_runs_its_own_kernel_and_borrows_the_triton_one_where_it_refuses(
+        monkeypatch):
+    """`mosaic_gpu`'s decode entry (what a model's decode step calls): the Mosaic kernel for a
+    bf16 cache (against XLA's dense-mask decode), the Triton kernel, bit for bit, where the
+    Mosaic one refuses (G = 32 query heads per KV head; a float32 cache)."""
+    from cca_jax.attention import pallas_mosaic_gpu
+    from cca_jax.attention.pallas_gpu import PALLAS_GPU
+    from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
+    from cca_jax.attention.xla import XLA
+    from pallas_kernels.mosaic_gpu import decode as mosaic_decode
+
+    calls = []
+    real = mosaic_decode.decode_attention_mosaic_gpu
+    monkeypatch.setattr(mosaic_decode, "decode_attention_mosaic_gpu",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    args = _backend_case(4, 2, jnp.bfloat16)
+    out = MOSAIC_GPU.decode(*args)
+    assert calls and out.dtype == jnp.bfloat16 and out.shape == (4, 4, 64)
+    up = [a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype == jnp.bfloat16 else a
+          for a in args]
+    with jax.default_matmul_precision("highest"):
+        ref = XLA.decode(*up)
+    err = row_errors(out, ref)
+    assert err.max() <= _tol(jnp.bfloat16, 64), err.max()
+
+    calls.clear()
+    logged = []
+    monkeypatch.setattr(pallas_mosaic_gpu._log, "info", lambda *a: logged.append(a))
+    pallas_mosaic_gpu._log_borrowed_decode_once.cache_clear()
+    for hq, hkv, dtype in [(32, 1, jnp.bfloat16), (4, 2, jnp.float32)]:
+        args = _backend_case(hq, hkv, dtype, seed=1)
+        np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*args), np.float32),
+                                      np.asarray(PALLAS_GPU.decode(*args), np.float32))
+    assert not calls
+    assert any("block / G" in str(a) for a in logged) and any("float32" in str(a) for a in logged)
+
+
 # ---- CPU: cross-lowering for "cuda" ----------------------------------------------------------
 
 def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):

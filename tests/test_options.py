@@ -203,7 +203,8 @@ def test_dispatch_choices():
                                   dtype=jnp.float32) == "pallas_gpu"
     assert resolve_implementation("auto", "gpu", pattern=pat["streaming"]) == "pallas_gpu"
     assert resolve_implementation("auto", "gpu", pattern=pat["cca"], head_dim=96) == "pallas_gpu"
-    assert resolve_implementation("auto", "gpu", pattern=pat["cca"], head_dim=160) == "xla"
+    assert resolve_implementation("auto", "gpu", pattern=pat["cca"], head_dim=160) == "pallas_gpu"
+    assert resolve_implementation("auto", "gpu", pattern=pat["cca"], head_dim=320) == "xla"
     assert resolve_implementation("auto", "tpu", pattern=pat["cca"]) == "pallas_tpu"
     with pytest.raises(ValueError, match="does not compute attention='streaming'"):
         resolve_implementation("cudnn", pattern=pat["streaming"])

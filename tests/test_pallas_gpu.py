@@ -50,6 +50,8 @@ CASES = {
     "d128": (1, 80, 2, 1, 128, 4, 19, "cca", False, "float32", "small"),
     # D = 80: zero-padded to the 128-wide kernels, softmax scale 1/sqrt(80)
     "d80_padded": (1, 72, 2, 1, 80, 4, 21, "cca", False, "float32", "small"),
+    # D = 160: zero-padded to the 256-wide kernels (their wide-row tiling)
+    "d160_padded": (1, 40, 2, 1, 160, 4, 9, "cca", False, "float32", "small"),
     # float16 inputs
     "float16": (1, 100, 2, 1, 64, 4, 21, "cca", False, "float16", "small"),
     # bf16, the default (GPU) tiling: several query and core blocks of 128
@@ -63,7 +65,7 @@ CASES = {
 }
 # the default run keeps the cases that reach the most code (GQA, ragged L, packed rows, padded
 # D); D = 128 and the bf16 default tiling run in the slow set and on the H200 (`-m gpu`)
-DEFAULT_CASES = ("gqa_ragged", "packed", "d80_padded")
+DEFAULT_CASES = ("gqa_ragged", "packed", "d80_padded", "d160_padded")
 
 # Tolerances: measured max abs error against the float64 reference over the cases of a dtype
 # (interpret mode, CPU, jax 0.10.2; inputs and cotangent standard normal), times a margin.
@@ -324,10 +326,10 @@ def test_dispatch():
                                atol=TOLERANCES["float32"]["out"])
 
 
-@pytest.mark.parametrize("head_dim,kernel", [(96, True), (160, False)])
-def test_auto_pads_head_dims_up_to_128_and_falls_back_above(monkeypatch, head_dim, kernel):
-    """"auto" on a GPU: head_dim 96 runs in the kernels (zero-padded to 128), 160 (above
-    every kernel's) in xla, without an error (a dispatch test: numerics are tested by the
+@pytest.mark.parametrize("head_dim,kernel", [(96, True), (160, True), (320, False)])
+def test_auto_pads_head_dims_up_to_256_and_falls_back_above(monkeypatch, head_dim, kernel):
+    """"auto" on a GPU: head_dim 96 and 160 run in the kernels (zero-padded to 128 and 256),
+    320 (above every kernel's) in xla, without an error (a dispatch test: numerics are tested by the
     cases above and in test_attention.py)."""
     q, k, v = (jnp.zeros((1, 16, h, head_dim)) for h in (2, 1, 1))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -337,7 +339,7 @@ def test_auto_pads_head_dims_up_to_128_and_falls_back_above(monkeypatch, head_di
 
 
 def test_bad_inputs():
-    q, k, v = (jnp.zeros((1, 32, h, 160)) for h in (2, 1, 1))
+    q, k, v = (jnp.zeros((1, 32, h, 320)) for h in (2, 1, 1))
     with pytest.raises(ValueError, match="implementation='xla'"):
         cca_attention_pallas_gpu(q, k, v, group_size=4, window_size=8)
     with pytest.raises(ValueError, match="implementation='xla'"):
@@ -358,7 +360,8 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 8), ("float16", 64, 4),
-                                         ("float32", 128, 4), ("bfloat16", 80, 8)])
+                                         ("float32", 128, 4), ("bfloat16", 80, 8),
+                                         ("bfloat16", 256, 4)])
 def test_lowers_through_triton_for_cuda(dtype, d, hkv):
     """Cross-lower fwd+bwd for CUDA on any machine: every kernel goes through the Triton
     lowering (catches unsupported ops and shapes; not shared-memory limits or Triton's own
@@ -427,6 +430,19 @@ def _lowered_kernels(dtype, length=512, **tiling):
 
     walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr)
     return found
+
+
+def test_wide_rows_get_tiles_of_the_same_bytes():
+    """A row's bytes (head dim x itemsize) pick the tiling: bf16 at D = 256 takes float32's
+    D = 128 tiles (the same bytes, checked against sm_90's shared memory offline), float32
+    at D = 256 halves their 64-row blocks; explicit fields still win."""
+    assert kernel_config("bfloat16", head_dim=64) == KernelConfig()
+    wide = kernel_config("bfloat16", head_dim=256)
+    assert wide == kernel_config("float32", head_dim=128) != KernelConfig()
+    widest = kernel_config("float32", head_dim=256)
+    assert {widest.block_q, widest.dq_block_q, widest.dkv_block_k, widest.dc_block_k} == {32}
+    assert widest.num_stages == wide.num_stages == 2
+    assert kernel_config("float32", head_dim=256, block_q=64).block_q == 64
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -507,11 +523,12 @@ def test_whole_model_grad_matches_naive():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype,packed", [("bfloat16", False), ("float32", True)])
-def test_gpu_matches_float64_reference(dtype, packed):
-    """Compiled kernels (default tiling for the dtype) against float64, row by row: outputs
-    against tests/reference.py, gradients against naive under x64."""
-    b, length, hq, hkv, d, g, s = 1, 2048, 4, 2, 128, 16, 256
+@pytest.mark.parametrize("dtype,packed,d", [("bfloat16", False, 128), ("float32", True, 128),
+                                           ("bfloat16", False, 256), ("bfloat16", True, 96)])
+def test_gpu_matches_float64_reference(dtype, packed, d):
+    """Compiled kernels (default tiling for the dtype and head dim) against float64, row by
+    row: outputs against tests/reference.py, gradients against naive under x64."""
+    b, length, hq, hkv, g, s = 1, 2048, 4, 2, 16, 256
     ks = jax.random.split(jax.random.PRNGKey(5), 4)
     q = jax.random.normal(ks[0], (b, length, hq, d), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (b, length, hkv, d), jnp.float32).astype(dtype)

@@ -80,7 +80,7 @@ def _tol(dtype, d=D):
     return ROW_TOL["bf16"] * (128 / d) ** 0.5
 
 
-def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0):
+def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0, d=D):
     """(kernel args with invisible entries NaN, bounds, float32 reference output)."""
     ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
     t = np.asarray(positions)
@@ -89,8 +89,8 @@ def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0):
 
     def normal(*shape):   # values exactly representable in dtype (the reference's too)
         return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float32)
-    q, k, v = normal(b, hq, D), normal(b, ring, hkv, D), normal(b, ring, hkv, D)
-    ck, cv = normal(b, num_slots, hq, D), normal(b, num_slots, hq, D)
+    q, k, v = normal(b, hq, d), normal(b, ring, hkv, d), normal(b, ring, hkv, d)
+    ck, cv = normal(b, num_slots, hq, d), normal(b, num_slots, hq, d)
     raw_vis, slot_vis = oracle.cache_masks(pattern, t, ring, num_slots)
     ref = _reference(q, k, v, ck, cv, raw_vis, slot_vis)
     cast = lambda *xs: [jnp.asarray(x, dtype) for x in xs]  # noqa: E731
@@ -100,12 +100,12 @@ def _inputs(pattern, max_len, positions, hq, hkv, dtype=jnp.float32, seed=0):
     return args, blocks.decode_bounds(pattern, t, ring, num_slots), ref
 
 
-def _check(pattern, max_len, hq, hkv, tiling, positions, dtype=jnp.float32, seed=0):
+def _check(pattern, max_len, hq, hkv, tiling, positions, dtype=jnp.float32, seed=0, d=D):
     for i, batch in enumerate(positions):
-        args, bounds, ref = _inputs(pattern, max_len, batch, hq, hkv, dtype, seed + i)
+        args, bounds, ref = _inputs(pattern, max_len, batch, hq, hkv, dtype, seed + i, d)
         out = decode_attention_pallas_gpu(*args, bounds, **tiling)
         assert out.shape == ref.shape and out.dtype == jnp.float32
-        assert_rows_match(out, ref, _tol(dtype), batch)
+        assert_rows_match(out, ref, _tol(dtype, d), batch)
 
 
 def _random_positions(max_len, rows=6, batches=2, seed=0):
@@ -136,6 +136,19 @@ def test_other_options_match_cached_attention(pattern, max_len):
            POSITIONS[pattern.kind] + _random_positions(max_len, batches=1, seed=3))
 
 
+@pytest.mark.parametrize("d", [24, 80])
+def test_head_dims_between_widths_are_read_in_place(d):
+    """D = 24 and 80 run at widths 32 and 128: the query is zero-padded, the cache is not
+    (its loads are masked past D, so NaN past a row's end would show), and the output has
+    D columns."""
+    positions = POSITIONS["cca"][:1]
+    _check(CCA, 120, 4, 2, {**SMALL, "splits": 2}, positions, d=d)
+    args, bounds, _ = _inputs(CCA, 120, positions[0], 4, 2, d=d)
+    program = str(jax.make_jaxpr(lambda *a: decode_attention_pallas_gpu(*a, bounds, **SMALL))(
+        *args))
+    assert program.count(" pad[") == 1      # the query's
+
+
 def test_stacked_bf16_cache_with_head_major_slots_and_default_tiling():
     """The cache stacked over layers, read at a traced layer index inside a `lax.scan`, with
     slots in the [L, B, Hq, C, D] layout, bf16, default blocks (64: larger than the ring and
@@ -163,8 +176,9 @@ def test_stacked_bf16_cache_with_head_major_slots_and_default_tiling():
 def test_rejects_unsupported_shapes_and_settings():
     (q, k, v, ck, cv), bounds, _ = _inputs(CCA, 120, POSITIONS["cca"][0], 4, 2)
     call = decode_attention_pallas_gpu
-    with pytest.raises(ValueError, match="head_dim"):
-        call(q[..., :12], k[..., :12], v[..., :12], ck[..., :12], cv[..., :12], bounds)
+    wide, _, _ = _inputs(CCA, 120, POSITIONS["cca"][0], 4, 2, d=320)
+    with pytest.raises(ValueError, match="head_dim up to 256.*'xla'"):
+        call(*wide, bounds)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         call(q[:, :3], k, v, ck[:, :, :3], cv[:, :, :3], bounds)
     with pytest.raises(ValueError, match="ck and cv"):
@@ -223,14 +237,13 @@ GPU_POSITIONS = [1038, 1039, 1040, 2 * GPU_RING - 1, 2 * GPU_RING, 3 * GPU_RING 
                  3 * GPU_RING, 4999]
 
 
-def _gpu_case(hq, hkv, max_len, positions, seed=0):
+def _gpu_case(hq, hkv, max_len, positions, seed=0, d=128):
     """bf16 cache and queries at 7B head shapes; (kernel args, float32 reference, bounds)."""
     pattern = GPU_PATTERN
     ring, num_slots = blocks.ring_size(pattern, max_len), pattern.max_slots(max_len)
     assert ring == GPU_RING
     batch = len(positions)
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    d = 128
     bf = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(  # noqa: E731
         jnp.bfloat16)
     args = (bf(ks[0], (batch, hq, d)), bf(ks[1], (batch, ring, hkv, d)),
@@ -244,13 +257,14 @@ def _gpu_case(hq, hkv, max_len, positions, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
-def test_gpu_compiled_matches_cached_attention(hkv):
+@pytest.mark.parametrize("hkv,d", [(8, 128), (32, 128), (8, 80), (8, 96)],
+                         ids=["gqa", "mha", "gqa_d80", "gqa_d96"])
+def test_gpu_compiled_matches_cached_attention(hkv, d):
     """Hq = 32, D = 128, bf16, g = 16, s = 1024 in an 8192-sized cache: rows at the window's
     edge, the first core token, ring wraps and the last position, each row (and query head)
     within 2e-3 of float32 `cached_attention` relative to its norm. (The former atol = rtol
     = 2e-2 on outputs of mean magnitude 0.04 let a dropped newest core slot pass.)"""
-    args, ref, bounds = _gpu_case(32, hkv, max_len=8192, positions=GPU_POSITIONS)
+    args, ref, bounds = _gpu_case(32, hkv, max_len=8192, positions=GPU_POSITIONS, d=d)
     out = jax.jit(decode_attention_pallas_gpu)(*args, bounds)
-    assert out.dtype == jnp.float32
-    assert_rows_match(out, ref, ROW_TOL["bf16"], GPU_POSITIONS)
+    assert out.dtype == jnp.float32 and out.shape[-1] == d
+    assert_rows_match(out, ref, _tol(jnp.bfloat16, d), GPU_POSITIONS)

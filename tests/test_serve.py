@@ -33,6 +33,10 @@ from tests import hf_fixtures as fx
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+# one worker runs the whole module: its module-scoped fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("serve")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA2_TOKENIZER = fx.DATA_DIR / "llama2_tokenizer.model"
 MAX_LEN = 256
@@ -515,3 +519,56 @@ def test_engine_over_a_mesh_equals_generate():
         engine.shutdown()
     assert engine.error is None and got == want
     assert engine.stats()["compilations_since_ready"] == 0
+
+
+def test_engine_prefills_in_small_chunks_only_while_rows_decode():
+    """`decode_chunk_size`: a prompt that arrives while nothing decodes runs in chunks of
+    `chunk_size`; one that arrives while a row decodes runs in the smaller chunks (one
+    between two decode steps). Both chunk programs compile before ready, and the tokens are
+    still generate()'s."""
+    import threading
+
+    from cca_jax.config import LlamaConfig
+    from cca_jax.generate import generate
+    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.serve.engine import Engine, EngineConfig, Request
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      dtype="float32", param_dtype="float32", eos_token_id=None,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    first, second = rng.integers(0, 97, 20).tolist(), rng.integers(0, 97, 70).tolist()
+    want = [generate(model, [first], max_new_tokens=100, max_len=128)[0],
+            generate(model, [second], max_new_tokens=4, max_len=128)[0]]
+    config = EngineConfig(max_batch=2, max_len=128, chunk_size=16, decode_chunk_size=4)
+    assert config.chunk_sizes == (4, 16)
+    engine = Engine(model, config)
+    got, started, done = [[], []], threading.Event(), threading.Semaphore(0)
+
+    def listener(i):
+        def on_event(token, reason):
+            if token is None:
+                done.release()
+            else:
+                got[i].append(token)
+                started.set()
+        return on_event
+
+    engine.start()
+    try:
+        engine.submit(Request(first, max_tokens=100), listener(0))
+        assert started.wait(60)   # the first row decodes from now on, for 99 more steps
+        engine.submit(Request(second, max_tokens=4), listener(1))
+        for _ in range(2):
+            assert done.acquire(timeout=120)
+    finally:
+        engine.shutdown()
+    assert engine.error is None and got == want
+    times = engine.stats()["step_times"]
+    # 20 tokens in 2 chunks of 16 (nothing decoding), then 70 in 18 chunks of 4
+    assert times["prefill_chunks"] == 2 + 18 and times["prefill_tokens"] == 90, times
+    assert engine.stats()["compilations_since_ready"] == 0
+    with pytest.raises(ValueError, match="decode_chunk_size .* must be <= chunk_size"):
+        EngineConfig(chunk_size=16, decode_chunk_size=32).check()

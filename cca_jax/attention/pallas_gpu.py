@@ -13,11 +13,6 @@ from cca_jax.attention.backend import Backend
 from cca_jax.attention.pooling import slots_and_bounds
 from cca_jax.blocks import CCA, AttentionPattern
 
-# Head dims the decode step runs the decode kernel for (the kernel takes more, see
-# `pallas_kernels.gpu.SUPPORTED_DECODE_HEAD_DIMS`; the XLA form serves the others).
-DECODE_HEAD_DIMS = (64, 128, 256)
-
-
 def _check_head_dim(d: int) -> None:
     from pallas_kernels.gpu.kernels import KERNEL_HEAD_DIMS, padded_head_dim
     if padded_head_dim(d) is None:
@@ -45,10 +40,10 @@ def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict) -> dict:
     even when it never runs (H200, 128K), while with sinks off the group grid it saves the
     mostly-masked key block of nearly every query block
     (benchmarks/results/research/sinks_narrow_h200.md). An explicit `narrow_block` stays."""
-    from pallas_kernels.gpu import kernel_config
+    from pallas_kernels.gpu import kernel_config, padded_head_dim
     if tiling.get("narrow_block") is not None:
         return tiling
-    cfg = kernel_config(q.dtype, **tiling)
+    cfg = kernel_config(q.dtype, head_dim=padded_head_dim(q.shape[-1]), **tiling)
     if blocks.narrow_heads(pattern, q.shape[1], cfg.block_q, cfg.block_k, cfg.narrow_block):
         return tiling
     return dict(tiling, narrow_block=0)
@@ -58,7 +53,8 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
                              sink_tokens: int = 0, pooling: str = "cca", segment_ids=None,
                              interpret=None, **tiling):
     """CCA attention (SPEC.md; `sink_tokens`: section 6) through the Pallas GPU kernels;
-    the result of `cca_attention`. D up to 128 (64 and 128 native, others zero-padded). `tiling`: KernelConfig field overrides
+    the result of `cca_attention`. D up to 256 (64, 128 and 256 native, others
+    zero-padded). `tiling`: KernelConfig field overrides
     (block_q, block_k, num_warps, num_stages tile the forward kernel; dq_block_q,
     dkv_block_k, ... the backward ones)."""
     return attention_pallas_gpu(q, k, v, CCA(group_size, window_size, sink_tokens),
@@ -68,12 +64,15 @@ def cca_attention_pallas_gpu(q, k, v, *, group_size: int, window_size: int,
 
 class PallasGpuBackend(Backend):
     """Every option, packed or not, any float dtype; head_dim up to the kernels' largest
-    (others than theirs zero-padded; decode: `DECODE_HEAD_DIMS`)."""
+    (others than theirs zero-padded; the decode kernel reads other head dims in place,
+    masked)."""
 
     def _refuses(self, option, platform, dtype, head_dim, packed, entry):
         if entry == "decode":
-            if head_dim not in DECODE_HEAD_DIMS:
-                return f"it supports head_dim in {DECODE_HEAD_DIMS}, not {head_dim}"
+            from pallas_kernels.gpu import DECODE_WIDTHS, decode_width
+            if decode_width(head_dim) is None:
+                return (f"its decode kernel supports head_dim up to {DECODE_WIDTHS[-1]}, "
+                        f"not {head_dim}")
             return None
         from pallas_kernels.gpu.kernels import KERNEL_HEAD_DIMS, padded_head_dim
         if padded_head_dim(head_dim) is None:

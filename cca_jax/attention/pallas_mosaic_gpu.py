@@ -2,17 +2,24 @@
 forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator).
 
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
-one); its decode step is still the Triton kernels' (`pallas_gpu`). Forward
-timings: benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before
-`pallas_gpu` on sm_90+ GPUs for bfloat16 and float16; float32, older GPUs and head dims
-above 128 go to `pallas_gpu` or `xla`.
+one). Its decode step is the Mosaic GPU decode kernel where that kernel takes the cache
+(bfloat16/float16, D 64 or 128, up to 16 query heads per KV head at its default block) and
+the Triton decode kernel's (`pallas_gpu`) otherwise: the same function in a float32 softmax,
+so the borrowed entry changes speed, not results (logged once). Forward timings:
+benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
+sm_90+ GPUs for bfloat16 and float16; float32, older GPUs and head dims above 128 go to
+`pallas_gpu` or `xla`.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
+from cca_jax import blocks
 from cca_jax.attention.backend import Backend
 from cca_jax.attention.pallas_gpu import PALLAS_GPU
 from cca_jax.attention.pooling import slots_and_bounds
@@ -20,6 +27,14 @@ from cca_jax.blocks import AttentionPattern
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIN_CAPABILITY = 9.0   # wgmma and TMA: sm_90 (Hopper) and later
+
+_log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_borrowed_decode_once(reason: str) -> None:
+    _log.info("mosaic_gpu decode: the Triton decode kernel serves this cache (the Mosaic GPU "
+              "one refuses: %s)", reason)
 
 
 def gpu_capability() -> float | None:
@@ -55,7 +70,7 @@ class MosaicGpuBackend(Backend):
     native, others zero-padded); an sm_90+ GPU when compiled."""
 
     def _refuses(self, option, platform, dtype, head_dim, packed, entry):
-        if entry == "decode":   # the Triton decode kernel, until the Mosaic one lands
+        if entry == "decode":   # its own decode kernel, else the Triton one's: their union
             return PALLAS_GPU.supports(option, platform, dtype, head_dim, packed, entry)
         if dtype not in _DTYPES:
             return f"it takes bfloat16 or float16, not {dtype.name}; 'pallas_gpu' takes it"
@@ -80,7 +95,15 @@ class MosaicGpuBackend(Backend):
                                             interpret=_interpret_default(None))
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
-        return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
+        from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
+        reason = decode_refusal(k_all.dtype, q.shape[-1], q.shape[1], k_all.shape[-2])
+        if reason is not None:
+            _log_borrowed_decode_once(reason)
+            return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
+        bounds = blocks.decode_bounds(pattern, positions, k_all.shape[2], ck.shape[2])
+        return decode_attention_mosaic_gpu(q, k_all, v_all, ck, cv, bounds, layer=layer,
+                                           out_dtype=q.dtype,
+                                           interpret=_interpret_default(None))
 
 
 MOSAIC_GPU = MosaicGpuBackend("mosaic_gpu", ("gpu",),

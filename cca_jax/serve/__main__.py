@@ -42,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "most the model's max_position_embeddings (default: "
                     f"{DEFAULTS.max_len} or max_position_embeddings, the smaller)")
     ap.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size, metavar="N",
-                    help="prompt tokens per prefill chunk; one chunk runs between two "
-                    f"decode steps (default: {DEFAULTS.chunk_size})")
+                    help="prompt tokens per prefill chunk while no request is decoding "
+                    f"(default: {DEFAULTS.chunk_size})")
+    ap.add_argument("--decode-chunk-size", type=int, default=None, metavar="N",
+                    help="prompt tokens per prefill chunk while requests are decoding: one "
+                    "such chunk runs between two decode steps, so it bounds their "
+                    "inter-token time (default: --chunk-size)")
     ap.add_argument("--prefill-rows", type=int, default=DEFAULTS.prefill_rows, metavar="P",
                     help="requests one prefill chunk carries at most (default: "
                     f"{DEFAULTS.prefill_rows})")
@@ -62,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(a) -> None:
-    for name in ("max_batch", "max_len", "chunk_size", "prefill_rows", "group_size",
+    for name in ("max_batch", "max_len", "chunk_size", "decode_chunk_size", "prefill_rows",
+                 "group_size",
                  "window_size", "max_position_embeddings"):
         value = getattr(a, name)
         if value is not None and value < 1:
@@ -70,6 +75,9 @@ def _check_args(a) -> None:
                              f"got {value}.")
     if a.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {a.max_queue}.")
+    if a.decode_chunk_size is not None and a.decode_chunk_size > a.chunk_size:
+        raise UsageError(f"--decode-chunk-size ({a.decode_chunk_size}) must be <= "
+                         f"--chunk-size ({a.chunk_size}).")
     if a.prefill_rows > a.max_batch:
         raise UsageError(f"--prefill-rows ({a.prefill_rows}) must be <= --max-batch "
                          f"({a.max_batch}).")
@@ -104,6 +112,7 @@ def build_server(a):
         eos = tokenizer.eos_token_id
     max_len = a.max_len or min(DEFAULTS.max_len, model.config.max_position_embeddings)
     config = EngineConfig(max_batch=a.max_batch, max_len=max_len, chunk_size=a.chunk_size,
+                          decode_chunk_size=a.decode_chunk_size,
                           prefill_rows=a.prefill_rows, max_queue=a.max_queue)
     try:
         engine = Engine(model, config, eos=eos, mesh=mesh)

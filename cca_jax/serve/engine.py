@@ -7,17 +7,21 @@ the caller). One engine thread runs the device; each turn of its loop is
 
     admit waiting requests into free rows (their lengths reset to 0: nothing else is cleared,
         since a row's stale entries lie at positions its queries never see);
-    at most ONE prefill chunk: the next `chunk_size` prompt tokens of up to `prefill_rows`
-        requests still in their prompts (oldest first), through the P rows only
+    at most ONE prefill chunk: the next prompt tokens of up to `prefill_rows` requests still
+        in their prompts (oldest first): `decode_chunk_size` of them while some row is
+        decoding, `chunk_size` while none is; through the P rows only
         (`prefill_chunk(rows=...)`: those rows are copied out of the cache and back; with
         P = B the whole cache runs, nothing copied), their first tokens sampled in the same
         program;
     ONE decode step of every row past its prompt (`decode_step` over all B rows, the idle and
         prefilling ones inactive), the next tokens sampled per row (`sample_rows`).
 
-So a long prompt delays the running rows by one chunk per token at most, and a new request
+So a long prompt delays the running rows by one chunk per token at most (the inter-token
+time is one decode step plus at most one `decode_chunk_size` chunk), a prompt that arrives
+while nothing decodes is prefilled in the larger chunks at full throughput, and a new request
 waits for at most one decode step before its prefill starts. Every program has one shape
-whatever the occupancy (B rows, P rows, one chunk): they are all compiled (or loaded from the
+whatever the occupancy (B rows, P rows, the two chunk sizes): they are all compiled (or
+loaded from the
 persistent compilation cache) by `start()` before `ready` is set, and no request compiles
 anything (`compilations_since_ready` counts XLA compilations to prove it).
 
@@ -60,15 +64,29 @@ class EngineConfig:
     """The engine's fixed shapes and limits (every program is compiled for these)."""
     max_batch: int = 8        # B: rows of the cache, requests generating at once
     max_len: int = 4096       # positions per row: prompt + max_tokens must fit
-    chunk_size: int = 512     # prompt tokens per prefill chunk
+    chunk_size: int = 512     # prompt tokens per prefill chunk while no row is decoding
     prefill_rows: int = 1     # P: requests one prefill chunk carries (<= max_batch)
     max_queue: int = 64       # requests waiting for a row; beyond it submit() refuses
+    # prompt tokens per prefill chunk while some row is decoding (bounds the inter-token
+    # time: one decode step plus one such chunk); None: chunk_size
+    decode_chunk_size: int | None = None
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The prefill chunk lengths the engine runs (each one compiled program)."""
+        return tuple(sorted({self.chunk_size, self.decode_chunk_size or self.chunk_size}))
 
     def check(self) -> None:
-        for name in ("max_batch", "max_len", "chunk_size", "prefill_rows"):
+        for name in ("max_batch", "max_len", "chunk_size", "prefill_rows", "decode_chunk_size"):
             value = getattr(self, name)
+            if name == "decode_chunk_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if self.decode_chunk_size is not None and self.decode_chunk_size > self.chunk_size:
+            raise ValueError(f"decode_chunk_size ({self.decode_chunk_size}) must be <= "
+                             f"chunk_size ({self.chunk_size}): it is the smaller chunk that "
+                             "runs between decode steps.")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
         if self.prefill_rows > self.max_batch:
@@ -328,8 +346,9 @@ class Engine:
         b, p = self.config.max_batch, self.config.prefill_rows
         self._cache = _reset_rows(self._cache, np.zeros(b, bool))
         rows = None if p == b else np.arange(p, dtype=np.int32)
-        self._run_prefill(rows, np.zeros((p, self.config.chunk_size), np.int32),
-                          np.zeros(p, np.int32), [None] * p)
+        for chunk in self.config.chunk_sizes:
+            self._run_prefill(rows, np.zeros((p, chunk), np.int32), np.zeros(p, np.int32),
+                              [None] * p)
         for pool in self._pool_programs():
             self._run_decode(np.zeros(b, bool), [None] * b, pool)
 
@@ -412,6 +431,9 @@ class Engine:
         if not pending:
             return
         p, chunk = self.config.prefill_rows, self.config.chunk_size
+        if self.config.decode_chunk_size and any(
+                s is not None and s.prefilled == len(s.request.prompt) for s in self._rows):
+            chunk = self.config.decode_chunk_size
         batch = pending[:p]
         if p == self.config.max_batch:   # every row: the whole cache, no rows copied
             slots = [s.row for s in batch]

@@ -34,19 +34,35 @@ def _check_narrow(name: str, value, interpret: bool) -> None:
                          f"got {value!r}.")
 
 
-# float32 inputs: the bf16 tiles would need up to 260 KiB of shared memory on sm_90 (limit
-# 227 KiB); these fit (offline ptxas check), at some register spilling in dk/dv and dck/dcv.
-_FLOAT32_TILING = types.MappingProxyType(dict(block_q=64, block_k=32, num_warps=8, num_stages=2,
-                       dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=2,
-                       dkv_block_k=64, dkv_block_q=32, dkv_num_warps=8, dkv_num_stages=2,
-                       dc_block_k=64, dc_block_q=32, dc_num_warps=8, dc_num_stages=2))
+# Rows of 512 bytes (float32 at D = 128, 2-byte inputs at D = 256): the default tiles would
+# need up to 260 KiB of shared memory on sm_90 (limit 227 KiB); these fit (offline ptxas
+# check at float32 D = 128, the same bytes), at some register spilling in dk/dv and dck/dcv.
+_WIDE_ROW_TILING = types.MappingProxyType(dict(
+    block_q=64, block_k=32, num_warps=8, num_stages=2,
+    dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=2,
+    dkv_block_k=64, dkv_block_q=32, dkv_num_warps=8, dkv_num_stages=2,
+    dc_block_k=64, dc_block_q=32, dc_num_warps=8, dc_num_stages=2))
+# Rows of 1 KiB (float32 at D = 256): the 512-byte tiles with their 64-row blocks halved, so
+# each tile keeps its bytes.
+_WIDEST_ROW_TILING = types.MappingProxyType(dict(
+    _WIDE_ROW_TILING, block_q=32, dq_block_q=32, dkv_block_k=32, dc_block_k=32))
 
 
-def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelConfig:
-    """The KernelConfig for inputs of `dtype`, with `fields` overriding any of its fields.
+def _tiling_for_rows(row_bytes: int) -> dict:
+    """The default tiling's overrides for rows of `row_bytes` (head dim x itemsize)."""
+    if row_bytes <= 256:
+        return {}
+    return dict(_WIDE_ROW_TILING if row_bytes <= 512 else _WIDEST_ROW_TILING)
 
-    Defaults (KernelConfig) are for 2-byte inputs; float32 inputs get smaller tiles. None
-    values are ignored (callers may pass optional settings through).
+
+def kernel_config(dtype=None, *, head_dim: int = 128, interpret: bool = False,
+                  **fields) -> KernelConfig:
+    """The KernelConfig for inputs of `dtype` at kernel head dim `head_dim`, with `fields`
+    overriding any of its fields.
+
+    Defaults (KernelConfig) are for rows of up to 256 bytes (2-byte inputs, D <= 128); wider
+    rows (float32, or D = 256) get smaller tiles. None values are ignored (callers may pass
+    optional settings through).
     """
     fields = {name: value for name, value in fields.items() if value is not None}
     for name, value in fields.items():
@@ -56,7 +72,8 @@ def kernel_config(dtype=None, *, interpret: bool = False, **fields) -> KernelCon
             _check_narrow(name, value, interpret)
         elif "block" in name:
             _check_block(name, value)
-    tiling = dict(_FLOAT32_TILING) if dtype is not None and jnp.dtype(dtype).itemsize > 2 else {}
+    itemsize = 2 if dtype is None else jnp.dtype(dtype).itemsize
+    tiling = _tiling_for_rows(head_dim * itemsize)
     tiling.update(fields)
     return check_config(KernelConfig(interpret=bool(interpret), **tiling))
 
@@ -84,8 +101,8 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     head h // (Hq / Hkv)); ck, cv: `[B, m, Hq, D]` prepared slot keys/values per query head
     (CCA's core tokens, streaming's sinks; m may be 0); raw_lo, core_lo, core_hi: int `[B, L]`.
     Row t sees raw keys `[raw_lo[t], t]` (raw_lo[t] <= t) and slots `[core_lo[t], core_hi[t])`;
-    all three must be non-decreasing along t. D up to 128: other than 64 and 128 it runs
-    zero-padded to the next of them (an extra copy of the inputs). `tiling`: KernelConfig field
+    all three must be non-decreasing along t. D up to 256: other than 64, 128 and 256 it
+    runs zero-padded to the next of them (an extra copy of the inputs). `tiling`: KernelConfig field
     overrides (block_q=..., dq_block_k=..., forward_loop_style=...; see `kernel_config`).
     interpret defaults to True on the CPU backend. Differentiable in q, k, v, ck and cv.
     """
@@ -96,7 +113,7 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     bounds = tuple(x.astype(jnp.int32) for x in bounds)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    cfg = kernel_config(q.dtype, interpret=interpret, **tiling)
+    cfg = kernel_config(q.dtype, head_dim=width, interpret=interpret, **tiling)
     if width != d:
         cfg = cfg._replace(softmax_head_dim=d)
         q, k, v, ck, cv = (_pad_head_dim(x, width) for x in (q, k, v, ck, cv))

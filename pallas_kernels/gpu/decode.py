@@ -45,7 +45,9 @@ from jax.experimental.pallas import triton as plgpu
 from cca_jax.blocks import DecodeBounds
 from pallas_kernels.shapes import check_decode_inputs
 
-SUPPORTED_DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Head dims the kernel runs at; a cache of another D up to the largest is read at the next
+# one up, its loads masked past D (no copy of the cache: the rows are read in place).
+DECODE_WIDTHS = (16, 32, 64, 128, 256)
 SLOT_LAYOUTS = ("bchd", "bhcd")  # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
 _BLOCKS = (16, 32, 64, 128, 256, 512)
 _LOG2E = math.log2(math.e)
@@ -145,12 +147,19 @@ def _online_update(part: _Partial, s, v, dots: bool):
 
 # ---- the attention kernel: partials of ring and slots ------------------------------------
 
+def decode_width(d: int) -> int | None:
+    """The kernel width a cache of head dim `d` is read at, or None above every width."""
+    return next((w for w in DECODE_WIDTHS if w >= d), None)
+
+
 def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref,
                    cv_ref, o_ref, m_ref, l_ref, *, ring: int, block: int, splits: int,
-                   scale: float, dots: bool):
+                   scale: float, dots: bool, head_dim: int):
     """One (query head, split, row): its share of the row's visible ring entries followed by
     its visible slots, as one sequence `[0, ring_count + num_slots)`. With `dots`, the query
-    is 16 equal rows (the smallest MMA tile) and every row carries the same softmax."""
+    is 16 equal rows (the smallest MMA tile) and every row carries the same softmax. The
+    query and outputs are `width` wide (zero-padded past the cache's `head_dim`), and so
+    are the key/value loads, masked past `head_dim`."""
     layer, first, count = layer_ref[...], first_ref[...], count_ref[...]
     v0, v1 = _split_range(count + slots_ref[...], pl.program_id(1), splits, block)
     c = scale * _LOG2E                                           # scores in log2 units
@@ -160,11 +169,19 @@ def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_r
     else:
         q = q.astype(jnp.float32) * c
 
+    width = q.shape[-1]
+    if width == head_dim:
+        columns, in_dim = slice(None), None
+    else:
+        columns = pl.ds(0, width)
+        in_dim = jnp.arange(width, dtype=jnp.int32) < head_dim
+
     def stepper(key_ref, value_ref):
         def step(start, valid, part):
-            rows = (layer, pl.ds(start, block), slice(None))
-            k = plgpu.load(key_ref.at[rows], mask=valid[:, None], other=0.0)
-            v = plgpu.load(value_ref.at[rows], mask=valid[:, None], other=0.0)
+            rows = (layer, pl.ds(start, block), columns)
+            mask = valid[:, None] if in_dim is None else valid[:, None] & in_dim[None, :]
+            k = plgpu.load(key_ref.at[rows], mask=mask, other=0.0)
+            v = plgpu.load(value_ref.at[rows], mask=mask, other=0.0)
             if dots:
                 s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
@@ -192,9 +209,10 @@ def _decode_kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_r
 
 
 def _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig, splits: int):
-    """Partials `[B, Hq, splits, D]`, `[B, Hq, splits]` x2 (stacked cache arrays)."""
-    b, hq, d = q.shape
-    layers, ring, hkv = k_ring.shape[0], k_ring.shape[2], k_ring.shape[3]
+    """Partials `[B, Hq, splits, W]`, `[B, Hq, splits]` x2 (stacked cache arrays of head dim
+    D; q `[B, Hq, W]`, W the kernel width, zero-padded past D)."""
+    b, hq, width = q.shape
+    layers, ring, hkv, d = k_ring.shape[0], k_ring.shape[2], k_ring.shape[3], k_ring.shape[4]
     groups = hq // hkv
     raw = pl.BlockSpec((layers, None, ring, None, d), lambda h, j, z: (0, z, 0, h // groups, 0))
     if cfg.slot_layout == "bchd":
@@ -206,15 +224,15 @@ def _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig, split
     per_row = pl.BlockSpec((None,), lambda h, j, z: (z,))
     per_split = pl.BlockSpec((None, None, None), lambda h, j, z: (z, h, j))
     kernel = functools.partial(_decode_kernel, ring=ring, block=cfg.block, splits=splits,
-                               scale=1.0 / math.sqrt(d), dots=cfg.dots)
-    q_spec = pl.BlockSpec((None, None, d), lambda h, j, z: (z, h, 0))
+                               scale=1.0 / math.sqrt(d), dots=cfg.dots, head_dim=d)
+    q_spec = pl.BlockSpec((None, None, width), lambda h, j, z: (z, h, 0))
     return pl.pallas_call(
         kernel,
         grid=(hq, splits, b),
         in_specs=[per_row] * 4 + [q_spec, raw, raw, slots, slots],
-        out_specs=[pl.BlockSpec((None, None, None, d), lambda h, j, z: (z, h, j, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, width), lambda h, j, z: (z, h, j, 0)),
                    per_split, per_split],
-        out_shape=[jax.ShapeDtypeStruct((b, hq, splits, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((b, hq, splits, width), jnp.float32),
                    jax.ShapeDtypeStruct((b, hq, splits), jnp.float32),
                    jax.ShapeDtypeStruct((b, hq, splits), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages),
@@ -284,10 +302,11 @@ def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig
     bounds = _clip_bounds(bounds, ring, num_slots)
     layer = jnp.broadcast_to(jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_ring.shape[0] - 1),
                              (b,))
-    q = q.astype(k_ring.dtype)
+    width = decode_width(d)
+    q = jnp.pad(q.astype(k_ring.dtype), ((0, 0), (0, 0), (0, width - d)))
     splits = resolve_splits(cfg, b, hq, ring, num_slots)
     acc, m, l = _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg, splits)
-    return _merge(acc, m, l, out_dtype, cfg)
+    return _merge(acc, m, l, out_dtype, cfg)[..., :d]
 
 
 def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
@@ -300,18 +319,19 @@ def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     with `slot_layout="bhcd"`. bounds: `cca_jax.blocks.decode_bounds(pattern, t, R, C)` of
     the rows' positions t (`DecodeBounds` or a 3-tuple of int `[B]`). layer: with it, the
     four cache arrays are the stacked `[L, B, ...]` ones of `KVCache` and layer `layer` (an
-    int or int scalar, traced or not) is read in place. D a power of two in
-    `SUPPORTED_DECODE_HEAD_DIMS`. tiling: `DecodeConfig` fields (block, splits, warps,
-    stages, slot_layout). interpret defaults to True on the CPU backend.
+    int or int scalar, traced or not) is read in place. D up to the largest of
+    `DECODE_WIDTHS` (others than those read at the next one up, masked). tiling:
+    `DecodeConfig` fields (block, splits, warps, stages, slot_layout). interpret defaults to
+    True on the CPU backend.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = decode_config(interpret=interpret, **tiling)
     b, hq, d, hkv = check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds,
                                         stacked=layer is not None, slot_layout=cfg.slot_layout)
-    if d not in SUPPORTED_DECODE_HEAD_DIMS:
-        raise ValueError(f"the Pallas GPU decode kernel supports head_dim in "
-                         f"{SUPPORTED_DECODE_HEAD_DIMS}, got {d}; use cached_attention (XLA).")
+    if decode_width(d) is None:
+        raise ValueError(f"the Pallas GPU decode kernel supports head_dim up to "
+                         f"{DECODE_WIDTHS[-1]}, got {d}; use implementation='xla'.")
     return decode_attention(q, k_ring, v_ring, ck, cv, 0 if layer is None else layer,
                             DecodeBounds(*bounds), cfg, layer is not None,
                             jnp.dtype(out_dtype))

@@ -50,7 +50,7 @@ _MAX_INIT = -1e30
 _LOG2E = math.log2(math.e)
 # Head dims the kernels are tiled for; others up to the largest are zero-padded to the next
 # (`padded_head_dim`): zero columns change no score, and the softmax keeps 1/sqrt(real D).
-KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def padded_head_dim(d: int) -> int | None:

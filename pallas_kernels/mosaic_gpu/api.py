@@ -98,7 +98,8 @@ def _backward_config(backward: str, dtype, width: int, softmax_head_dim: int, ba
         check_backward_shared_memory(cfg, width, jnp.dtype(dtype).itemsize)
     else:
         from pallas_kernels.gpu.api import kernel_config
-        cfg = kernel_config(dtype, interpret=interpret, **(backward_tiling or {}))
+        cfg = kernel_config(dtype, head_dim=width, interpret=interpret,
+                            **(backward_tiling or {}))
     return cfg._replace(softmax_head_dim=softmax_head_dim)
 
 
