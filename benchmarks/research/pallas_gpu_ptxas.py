@@ -106,7 +106,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sys.path.insert(0, _REPO)
     import jax.numpy as jnp
-    from pallas_kernels.gpu import kernel_config
+    from pallas_kernels.gpu import kernel_config, padded_head_dim
 
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +115,8 @@ def main(argv=None):
             f.write(_COMPILE)
         for i, text in enumerate(args.configs):
             overrides = json.loads(text)
-            cfg = kernel_config(jnp.dtype(args.dtype), **overrides)
+            cfg = kernel_config(jnp.dtype(args.dtype), head_dim=padded_head_dim(args.d),
+                                **overrides)
             sub = os.path.join(tmp, str(i))
             os.makedirs(sub)
             paths = dump_ttir(overrides, args.dtype, args.d, args.hkv, sub)
