@@ -681,3 +681,32 @@ def test_interpreted_gradients_through_the_entry_match_float64():   # measured 1
         err = row_max_error(g, np.asarray(w))
         print(f"d{name}: row error vs float64 {err:.2e}")
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_defaults_print_no_triton_deprecation():
+    """A bf16 model with the default implementation on a Hopper GPU trains (forward and
+    backward), prefills and decodes through Mosaic GPU kernels only: jax's warning for the
+    deprecated Pallas Triton backend (raised when a Triton kernel lowers) never appears."""
+    import warnings
+
+    from flax import nnx
+
+    from cca_jax.config import LlamaConfig
+    from cca_jax.generate import generate
+    from cca_jax.model import LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, dtype="bfloat16", param_dtype="bfloat16",
+                      attention=dict(kind="cca", group_size=16, window_size=256))
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 1024)), jnp.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = nnx.grad(lambda m: m(ids).astype(jnp.float32).mean())(model)
+        jax.block_until_ready(jax.tree.leaves(grads))
+        generate(model, [ids[0, :700].tolist()], max_new_tokens=4, chunk_size=512)
+    triton = [str(w.message) for w in caught if "Triton backend is deprecated" in str(w.message)]
+    assert not triton, triton[0]

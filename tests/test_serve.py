@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -475,39 +476,53 @@ def test_serve_trace_benchmark_small_mode(tmp_path):
     assert rec["decode_step_ms"] > 0 and rec["prefill_chunk_ms"] > 0
 
 
-@pytest.mark.slow
-def test_engine_over_a_mesh_equals_generate():
-    """The engine over the devices (rows over data, heads over tensor 2; the sharding table)
-    gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time."""
-    import threading
-
+def tiny_engine_model():
+    """A tiny float32 CCA model (g = 4, s = 6) without an end-of-sequence token, for engine
+    tests without a server."""
     from cca_jax.config import LlamaConfig
-    from cca_jax.generate import generate
     from cca_jax.model import LlamaForCausalLM
-    from cca_jax.serve.engine import Engine, EngineConfig, Request
-    from cca_jax.sharding import make_mesh, parse_mesh
-
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       dtype="float32", param_dtype="float32", eos_token_id=None,
                       attention={"kind": "cca", "group_size": 4, "window_size": 6})
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+class Collector:
+    """Engine callbacks of several requests: each one's tokens, `started` at the first token
+    of any, `done` released once per finished request."""
+
+    def __init__(self, requests: int):
+        self.got = [[] for _ in range(requests)]
+        self.started, self.done = threading.Event(), threading.Semaphore(0)
+
+    def listener(self, i):
+        def on_event(token, reason):
+            if token is None:
+                self.done.release()
+            else:
+                self.got[i].append(token)
+                self.started.set()
+        return on_event
+
+
+@pytest.mark.slow
+def test_engine_over_a_mesh_equals_generate():
+    """The engine over the devices (rows over data, heads over tensor 2; the sharding table)
+    gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time."""
+    from cca_jax.generate import generate
+    from cca_jax.serve.engine import Engine, EngineConfig, Request
+    from cca_jax.sharding import make_mesh, parse_mesh
+
+    model = tiny_engine_model()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, n).tolist() for n in (3, 40, 1, 17, 70, 9)]
     want = [generate(model, [p], max_new_tokens=10, max_len=128)[0] for p in prompts]
     engine = Engine(model, EngineConfig(max_batch=4, max_len=128, chunk_size=16,
                                         prefill_rows=2),
                     mesh=make_mesh(parse_mesh("data=-1,tensor=2")))
-    got = [[] for _ in prompts]
-    done = threading.Semaphore(0)
-
-    def listener(i):
-        def on_event(token, reason):
-            if token is None:
-                done.release()
-            else:
-                got[i].append(token)
-        return on_event
+    tokens = Collector(len(prompts))
+    got, listener, done = tokens.got, tokens.listener, tokens.done
 
     engine.start()
     try:
@@ -526,18 +541,10 @@ def test_engine_prefills_in_small_chunks_only_while_rows_decode():
     `chunk_size`; one that arrives while a row decodes runs in the smaller chunks (one
     between two decode steps). Both chunk programs compile before ready, and the tokens are
     still generate()'s."""
-    import threading
-
-    from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
-    from cca_jax.model import LlamaForCausalLM
     from cca_jax.serve.engine import Engine, EngineConfig, Request
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      dtype="float32", param_dtype="float32", eos_token_id=None,
-                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = tiny_engine_model()
     rng = np.random.default_rng(1)
     first, second = rng.integers(0, 97, 20).tolist(), rng.integers(0, 97, 70).tolist()
     want = [generate(model, [first], max_new_tokens=100, max_len=128)[0],
@@ -545,16 +552,8 @@ def test_engine_prefills_in_small_chunks_only_while_rows_decode():
     config = EngineConfig(max_batch=2, max_len=128, chunk_size=16, decode_chunk_size=4)
     assert config.chunk_sizes == (4, 16)
     engine = Engine(model, config)
-    got, started, done = [[], []], threading.Event(), threading.Semaphore(0)
-
-    def listener(i):
-        def on_event(token, reason):
-            if token is None:
-                done.release()
-            else:
-                got[i].append(token)
-                started.set()
-        return on_event
+    tokens = Collector(2)
+    got, listener, done, started = tokens.got, tokens.listener, tokens.done, tokens.started
 
     engine.start()
     try:
