@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,7 +43,7 @@ MAX_LEN = 256
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 SERVER_FLAGS = ["--max-batch", "4", "--max-len", str(MAX_LEN), "--chunk-size", "16",
-                "--prefill-rows", "2", "--max-queue", "64"]
+                "--decode-chunk-size", "8", "--prefill-rows", "2", "--max-queue", "64"]
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -314,6 +313,32 @@ def wait_idle(server, timeout=10.0) -> dict:
             return h
 
 
+def test_prompts_prefill_in_small_chunks_only_while_rows_decode(server, model, tokenizer):
+    """`--decode-chunk-size 8`: a prompt that arrives while nothing decodes runs in chunks of
+    `--chunk-size` 16, one that arrives while a row decodes in chunks of 8 (one between two
+    decode steps); the second answer is still generate()'s."""
+    first = list(range(100, 120))                    # 20 tokens: 2 chunks of 16
+    second = list(range(300, 370))                   # 70 tokens: 9 chunks of 8
+    before = wait_idle(server)["step_times"]
+    body = {"model": "tiny-chat", "max_tokens": MAX_LEN - len(first) - 1, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**body, "prompt": first, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data:")      # the first row decodes from now on
+        got = httpx.post(server.url + "/v1/completions", timeout=60,
+                         json={**body, "prompt": second, "max_tokens": 4}).json()
+        rest = [x for x in lines if x.startswith("data:")]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+    after = wait_idle(server)["step_times"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == 90
+    assert after["prefill_chunks"] - before["prefill_chunks"] == 2 + 9
+    assert got["choices"][0]["text"] == text_of(tokenizer, second,
+                                                greedy_ids(model, second, 4))
+    from cca_jax.serve.engine import EngineConfig
+    with pytest.raises(ValueError, match="decode_chunk_size .* must be <= chunk_size"):
+        EngineConfig(chunk_size=16, decode_chunk_size=32).check()
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
     before = server.health()["finished"].get("cancelled", 0)
     body = {"model": "tiny-chat", "prompt": [1], "max_tokens": MAX_LEN - 1, "temperature": 0,
@@ -476,53 +501,39 @@ def test_serve_trace_benchmark_small_mode(tmp_path):
     assert rec["decode_step_ms"] > 0 and rec["prefill_chunk_ms"] > 0
 
 
-def tiny_engine_model():
-    """A tiny float32 CCA model (g = 4, s = 6) without an end-of-sequence token, for engine
-    tests without a server."""
-    from cca_jax.config import LlamaConfig
-    from cca_jax.model import LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      dtype="float32", param_dtype="float32", eos_token_id=None,
-                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-
-
-class Collector:
-    """Engine callbacks of several requests: each one's tokens, `started` at the first token
-    of any, `done` released once per finished request."""
-
-    def __init__(self, requests: int):
-        self.got = [[] for _ in range(requests)]
-        self.started, self.done = threading.Event(), threading.Semaphore(0)
-
-    def listener(self, i):
-        def on_event(token, reason):
-            if token is None:
-                self.done.release()
-            else:
-                self.got[i].append(token)
-                self.started.set()
-        return on_event
-
-
 @pytest.mark.slow
 def test_engine_over_a_mesh_equals_generate():
     """The engine over the devices (rows over data, heads over tensor 2; the sharding table)
     gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time."""
+    import threading
+
+    from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
+    from cca_jax.model import LlamaForCausalLM
     from cca_jax.serve.engine import Engine, EngineConfig, Request
     from cca_jax.sharding import make_mesh, parse_mesh
 
-    model = tiny_engine_model()
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      dtype="float32", param_dtype="float32", eos_token_id=None,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, n).tolist() for n in (3, 40, 1, 17, 70, 9)]
     want = [generate(model, [p], max_new_tokens=10, max_len=128)[0] for p in prompts]
     engine = Engine(model, EngineConfig(max_batch=4, max_len=128, chunk_size=16,
                                         prefill_rows=2),
                     mesh=make_mesh(parse_mesh("data=-1,tensor=2")))
-    tokens = Collector(len(prompts))
-    got, listener, done = tokens.got, tokens.listener, tokens.done
+    got = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def listener(i):
+        def on_event(token, reason):
+            if token is None:
+                done.release()
+            else:
+                got[i].append(token)
+        return on_event
 
     engine.start()
     try:
@@ -534,40 +545,3 @@ def test_engine_over_a_mesh_equals_generate():
         engine.shutdown()
     assert engine.error is None and got == want
     assert engine.stats()["compilations_since_ready"] == 0
-
-
-def test_engine_prefills_in_small_chunks_only_while_rows_decode():
-    """`decode_chunk_size`: a prompt that arrives while nothing decodes runs in chunks of
-    `chunk_size`; one that arrives while a row decodes runs in the smaller chunks (one
-    between two decode steps). Both chunk programs compile before ready, and the tokens are
-    still generate()'s."""
-    from cca_jax.generate import generate
-    from cca_jax.serve.engine import Engine, EngineConfig, Request
-
-    model = tiny_engine_model()
-    rng = np.random.default_rng(1)
-    first, second = rng.integers(0, 97, 20).tolist(), rng.integers(0, 97, 70).tolist()
-    want = [generate(model, [first], max_new_tokens=100, max_len=128)[0],
-            generate(model, [second], max_new_tokens=4, max_len=128)[0]]
-    config = EngineConfig(max_batch=2, max_len=128, chunk_size=16, decode_chunk_size=4)
-    assert config.chunk_sizes == (4, 16)
-    engine = Engine(model, config)
-    tokens = Collector(2)
-    got, listener, done, started = tokens.got, tokens.listener, tokens.done, tokens.started
-
-    engine.start()
-    try:
-        engine.submit(Request(first, max_tokens=100), listener(0))
-        assert started.wait(60)   # the first row decodes from now on, for 99 more steps
-        engine.submit(Request(second, max_tokens=4), listener(1))
-        for _ in range(2):
-            assert done.acquire(timeout=120)
-    finally:
-        engine.shutdown()
-    assert engine.error is None and got == want
-    times = engine.stats()["step_times"]
-    # 20 tokens in 2 chunks of 16 (nothing decoding), then 70 in 18 chunks of 4
-    assert times["prefill_chunks"] == 2 + 18 and times["prefill_tokens"] == 90, times
-    assert engine.stats()["compilations_since_ready"] == 0
-    with pytest.raises(ValueError, match="decode_chunk_size .* must be <= chunk_size"):
-        EngineConfig(chunk_size=16, decode_chunk_size=32).check()
