@@ -92,3 +92,25 @@ def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
         resolve("mosaic_gpu", PAPER, platform="gpu")
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: None)
     assert "no GPU" in mosaic.supports(PAPER, "gpu", "bfloat16", 128, False)
+
+
+def test_a_jax_without_the_triton_lowering(monkeypatch):
+    """Once JAX drops Pallas' Triton backend: `pallas_gpu` refuses and says what runs instead,
+    `auto` takes Mosaic GPU on Hopper and XLA elsewhere, and the Mosaic GPU decode entry
+    keeps what its own kernel takes (bf16/fp16, head dims 64 and 128)."""
+    from cca_jax.attention import pallas_gpu, pallas_mosaic_gpu
+    monkeypatch.setattr(pallas_gpu, "triton_lowering_available", lambda: False)
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
+    assert "no Pallas Triton backend" in BACKENDS["pallas_gpu"].supports(
+        PAPER, "gpu", "bfloat16", 128, False)
+    with pytest.raises(ValueError, match="no Pallas Triton backend.*implementation='auto'"):
+        resolve("pallas_gpu", PAPER, platform="gpu")
+    assert resolve("auto", PAPER, platform="gpu").name == "mosaic_gpu"
+    assert resolve("auto", PAPER, platform="gpu", dtype="float32").name == "xla"
+    mosaic = BACKENDS["mosaic_gpu"]
+    assert mosaic.supports(PAPER, "gpu", "bfloat16", 128, False, "decode") is None
+    assert "head_dim" in mosaic.supports(PAPER, "gpu", "bfloat16", 96, False, "decode")
+    assert decode_backend("auto", PAPER, head_dim=96, dtype="bfloat16",
+                          platform="gpu").name == "xla"
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 8.0)
+    assert resolve("auto", PAPER, platform="gpu").name == "xla"

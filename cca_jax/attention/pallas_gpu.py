@@ -8,10 +8,22 @@ kernels of `pallas_kernels.gpu` (imported lazily: an optional accelerator).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
+import jax
+
 from cca_jax import blocks
 from cca_jax.attention.backend import Backend
 from cca_jax.attention.pooling import slots_and_bounds
 from cca_jax.blocks import CCA, AttentionPattern
+
+@functools.lru_cache(maxsize=None)
+def triton_lowering_available() -> bool:
+    """Whether this JAX still has Pallas' Triton backend (deprecated since JAX 0.11 in favour
+    of Mosaic GPU, and announced for removal)."""
+    return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+
 
 def _check_head_dim(d: int) -> None:
     from pallas_kernels.gpu.kernels import KERNEL_HEAD_DIMS, padded_head_dim
@@ -68,6 +80,9 @@ class PallasGpuBackend(Backend):
     masked)."""
 
     def _refuses(self, option, platform, dtype, head_dim, packed, entry):
+        if not triton_lowering_available():
+            return (f"this JAX ({jax.__version__}) has no Pallas Triton backend; "
+                    "'mosaic_gpu' runs on Hopper GPUs")
         if entry == "decode":
             from pallas_kernels.gpu import DECODE_WIDTHS, decode_width
             if decode_width(head_dim) is None:

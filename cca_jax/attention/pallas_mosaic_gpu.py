@@ -71,7 +71,12 @@ class MosaicGpuBackend(Backend):
 
     def _refuses(self, option, platform, dtype, head_dim, packed, entry):
         if entry == "decode":   # its own decode kernel, else the Triton one's: their union
-            return PALLAS_GPU.supports(option, platform, dtype, head_dim, packed, entry)
+            borrowed = PALLAS_GPU.supports(option, platform, dtype, head_dim, packed, entry)
+            if borrowed is None:
+                return None
+            from pallas_kernels.mosaic_gpu.decode import decode_refusal
+            own = decode_refusal(dtype, head_dim, 1, 1)   # G is checked per call
+            return None if own is None else f"{own}, and the Triton decode kernel: {borrowed}"
         if dtype not in _DTYPES:
             return f"it takes bfloat16 or float16, not {dtype.name}; 'pallas_gpu' takes it"
         from pallas_kernels.mosaic_gpu import HEAD_DIMS, padded_head_dim
@@ -98,6 +103,13 @@ class MosaicGpuBackend(Backend):
         from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
         reason = decode_refusal(k_all.dtype, q.shape[-1], q.shape[1], k_all.shape[-2])
         if reason is not None:
+            borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype,
+                                           q.shape[-1], False, "decode")
+            if borrowed is not None:
+                raise ValueError(
+                    f"implementation='mosaic_gpu' cannot decode this cache: its decode kernel "
+                    f"refuses it ({reason}) and so does the Triton one it borrows ({borrowed}); "
+                    "use implementation='xla'.")
             _log_borrowed_decode_once(reason)
             return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
         bounds = blocks.decode_bounds(pattern, positions, k_all.shape[2], ck.shape[2])
