@@ -1,4 +1,5 @@
-"""Test session set-up: 8 simulated CPU devices for the sharding tests (before jax loads), and
+"""Test session set-up: 8 simulated CPU devices for the sharding tests and fast compiles
+(`tests/xla_flags.py`), before jax loads; and
 the CLIs' persistent compilation cache (on by default) in a temporary directory, never in the
 user's ~/.cache (CCA_JAX_CACHE_DIR, inherited by the CLIs the tests start)."""
 
@@ -12,9 +13,14 @@ if "CCA_JAX_CACHE_DIR" not in os.environ:
     os.environ["CCA_JAX_CACHE_DIR"] = _cache_root
     atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+from tests.xla_flags import COMPILE_FAST  # noqa: E402
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+if "--xla_backend_optimization_level" not in _flags and shutil.which("nvidia-smi") is None:
+    _flags += " " + COMPILE_FAST     # CPU-only machines: GPU code keeps XLA's optimisation
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 
 import pytest  # noqa: E402

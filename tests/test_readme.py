@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_flags import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = ("pip install", "python -m pytest")
 
@@ -32,7 +34,7 @@ def commands(script: str) -> list[str]:
 
 @pytest.mark.long
 def test_readme_blocks_run_as_written(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags()}
     found = blocks()
     assert sum(kind == "python" for kind, _ in found) >= 3 and len(found) >= 6
     background = []

@@ -29,6 +29,7 @@ import pytest
 from flax import nnx
 
 from tests import hf_fixtures as fx
+from tests.xla_flags import xla_flags
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -109,7 +110,7 @@ class Server:
     def __init__(self, ckpt: Path, cache: Path, log: Path, flags=()):
         self.port, self.log_path = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags()}
         self.log = open(log, "w")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from train.testing import PAUSE_ENV
+from tests.xla_flags import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--seq-len", "64", "--steps", "4", "--save-every", "2"]
@@ -31,7 +32,7 @@ TIMEOUT_S = 600
 
 def _env(cache: Path, pause: str | None) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "XLA_FLAGS": xla_flags(devices=2),
            "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

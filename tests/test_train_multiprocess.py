@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.xla_flags import xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--seq-len", "64", "--save-every", "2"]
 TIMEOUT_S = 600
@@ -35,7 +37,7 @@ def finetune(args: list[str], logs: Path, cache: Path, processes: int,
     """`python -m train.finetune ARGS` as `processes` processes of `devices` CPU devices each;
     [(exit status, output)] per process."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "XLA_FLAGS": xla_flags(devices=devices),
            "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

@@ -35,6 +35,7 @@ from cca_jax.sharding import batch_sharding, make_mesh, mesh_context, tree_shard
 from train import finetune
 from train import step as steps
 from train.config import TrainConfig
+from tests.xla_flags import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -253,7 +254,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     assert finetune.main(MULTI_ARGS + ["--steps", "4", "--out", str(single)]) == 0
     multi = tmp_path / "multi"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": xla_flags(devices=4)}
     for total in (2, 4):
         launch = MULTI_ARGS + ["--steps", str(total), "--out", str(multi),
                                "--coordinator", f"localhost:{_free_port()}",
