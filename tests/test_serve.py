@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import re
 import os
 import shutil
 import signal
@@ -546,3 +547,16 @@ def test_engine_over_a_mesh_equals_generate():
         engine.shutdown()
     assert engine.error is None and got == want
     assert engine.stats()["compilations_since_ready"] == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--chunk-size", "16", "--decode-chunk-size", "32"],
+     r"--decode-chunk-size \(32\) must be <= --chunk-size \(16\)"),
+    (["--decode-chunk-size", "0"], "--decode-chunk-size must be a positive integer"),
+    (["--max-batch", "2", "--prefill-rows", "3"], r"--prefill-rows \(3\) must be <= --max-batch"),
+])
+def test_cli_rejects_bad_chunk_and_row_settings(flags, message, capsys):
+    """Checked before the checkpoint loads: exit 2 with the flag and the fix."""
+    from cca_jax.serve.__main__ import main
+    assert main(["--ckpt", "does-not-matter", *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)
