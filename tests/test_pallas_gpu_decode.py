@@ -149,6 +149,24 @@ def test_head_dims_between_widths_are_read_in_place(d):
     assert program.count(" pad[") == 1      # the query's
 
 
+@pytest.mark.parametrize("d", [80, 96])
+def test_lowers_for_cuda_at_head_dims_between_widths(d):
+    """Cross-lowered for CUDA (any machine): the Triton lowering takes the 128-wide masked
+    loads of a D = 80 / 96 cache (its loads must be powers of two), in two kernels."""
+    s = jax.ShapeDtypeStruct
+    cache = s((4, 2, 1040, 8, d), jnp.bfloat16)
+    slots = s((4, 2, 512, 32, d), jnp.bfloat16)
+    ints = s((2,), jnp.int32)
+
+    def f(q, k, v, ck, cv, first, count, n, layer):
+        return decode_attention_pallas_gpu(q, k, v, ck, cv, blocks.DecodeBounds(first, count, n),
+                                           layer=layer, interpret=False)
+    text = jax.jit(f).trace(s((2, 32, d), jnp.bfloat16), cache, cache, slots, slots, ints,
+                            ints, ints, s((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2       # the attention kernel and the merge
+
+
 def test_stacked_bf16_cache_with_head_major_slots_and_default_tiling():
     """The cache stacked over layers, read at a traced layer index inside a `lax.scan`, with
     slots in the [L, B, Hq, C, D] layout, bf16, default blocks (64: larger than the ring and

@@ -3,8 +3,8 @@
 The suite compiles hundreds of small programs and runs each a few times, so compiling is
 most of its CPU time: the CPU backend's LLVM optimisation is off (`COMPILE_FAST`: about 40%
 less time on compile-bound tests). It changes how fast the compiled CPU code runs; the
-suite's checks hold at it as at XLA's default. Users' runs keep XLA's defaults, and so does a machine
-with an NVIDIA GPU (`tests/conftest.py`: the flag would also lower the GPU code's).
+suite's checks hold at it as at XLA's default. Users' runs keep XLA's defaults, and so does
+a machine with an NVIDIA GPU (`tests/conftest.py`: the flag would also lower the GPU code's).
 """
 
 import os

@@ -18,6 +18,7 @@ from cca_jax.attention.backend import Backend
 from cca_jax.attention.pooling import slots_and_bounds
 from cca_jax.blocks import CCA, AttentionPattern
 
+
 @functools.lru_cache(maxsize=None)
 def triton_lowering_available() -> bool:
     """Whether this JAX still has Pallas' Triton backend (deprecated since JAX 0.11 in favour

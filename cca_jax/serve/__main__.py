@@ -67,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(a) -> None:
     for name in ("max_batch", "max_len", "chunk_size", "decode_chunk_size", "prefill_rows",
-                 "group_size",
-                 "window_size", "max_position_embeddings"):
+                 "group_size", "window_size", "max_position_embeddings"):
         value = getattr(a, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, "

@@ -21,9 +21,8 @@ time is one decode step plus at most one `decode_chunk_size` chunk), a prompt th
 while nothing decodes is prefilled in the larger chunks at full throughput, and a new request
 waits for at most one decode step before its prefill starts. Every program has one shape
 whatever the occupancy (B rows, P rows, the two chunk sizes): they are all compiled (or
-loaded from the
-persistent compilation cache) by `start()` before `ready` is set, and no request compiles
-anything (`compilations_since_ready` counts XLA compilations to prove it).
+loaded from the persistent compilation cache) by `start()` before `ready` is set, and no
+request compiles anything (`compilations_since_ready` counts XLA compilations to prove it).
 
 Per row the tokens depend only on its own request: the decode step and the prefill compute
 each row from its own cache row (batch-invariant), and a row samples with the key of its own

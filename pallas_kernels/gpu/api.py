@@ -102,8 +102,9 @@ def blocked_attention_pallas_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *, i
     (CCA's core tokens, streaming's sinks; m may be 0); raw_lo, core_lo, core_hi: int `[B, L]`.
     Row t sees raw keys `[raw_lo[t], t]` (raw_lo[t] <= t) and slots `[core_lo[t], core_hi[t])`;
     all three must be non-decreasing along t. D up to 256: other than 64, 128 and 256 it
-    runs zero-padded to the next of them (an extra copy of the inputs). `tiling`: KernelConfig field
-    overrides (block_q=..., dq_block_k=..., forward_loop_style=...; see `kernel_config`).
+    runs zero-padded to the next of them (an extra copy of the inputs). `tiling`:
+    KernelConfig field overrides (block_q=..., dq_block_k=..., forward_loop_style=...; see
+    `kernel_config`).
     interpret defaults to True on the CPU backend. Differentiable in q, k, v, ck and cv.
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))

@@ -303,10 +303,13 @@ def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: DecodeConfig
     layer = jnp.broadcast_to(jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_ring.shape[0] - 1),
                              (b,))
     width = decode_width(d)
-    q = jnp.pad(q.astype(k_ring.dtype), ((0, 0), (0, 0), (0, width - d)))
+    q = q.astype(k_ring.dtype)
+    if width != d:   # the query only: the cache is read in place, masked past d
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, width - d)))
     splits = resolve_splits(cfg, b, hq, ring, num_slots)
     acc, m, l = _partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg, splits)
-    return _merge(acc, m, l, out_dtype, cfg)[..., :d]
+    out = _merge(acc, m, l, out_dtype, cfg)
+    return out if width == d else out[..., :d]
 
 
 def decode_attention_pallas_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
