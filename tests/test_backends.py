@@ -77,7 +77,7 @@ def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
     assert resolve("auto", PAPER, platform="gpu", dtype="float32").name == "pallas_gpu"
     assert "float32" in mosaic.supports(PAPER, "gpu", "float32", 128, False)
     assert resolve("auto", PAPER, platform="gpu", head_dim=96).name == "mosaic_gpu"   # padded
-    assert "head_dim" in mosaic.supports(PAPER, "gpu", "bfloat16", 160, False)
+    assert "head_dim" in mosaic.supports(PAPER, "gpu", "bfloat16", 320, False)
     assert resolve("auto", Full(), platform="gpu").name == "cudnn"
     assert blocked_backend("auto", Full(), head_dim=128, dtype="bfloat16",
                            platform="gpu").name == "mosaic_gpu"
@@ -92,6 +92,26 @@ def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
         resolve("mosaic_gpu", PAPER, platform="gpu")
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: None)
     assert "no GPU" in mosaic.supports(PAPER, "gpu", "bfloat16", 128, False)
+
+
+def test_auto_keeps_wide_heads_on_the_triton_kernels_while_jax_has_them(monkeypatch):
+    """The Mosaic GPU kernels take D up to 256, but `auto` sends D above 128 to the Triton
+    kernels (measured on the H200) while JAX has them, and to Mosaic GPU once it has not;
+    asked for by name, Mosaic GPU runs it."""
+    from cca_jax.attention import pallas_gpu, pallas_mosaic_gpu
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
+    mosaic = BACKENDS["mosaic_gpu"]
+    for d in (160, 256):
+        assert mosaic.supports(PAPER, "gpu", "bfloat16", d, False) is None
+        assert "not yet measured" in mosaic.defers_in_auto(PAPER, "gpu", "bfloat16", d, False)
+        assert resolve("auto", PAPER, platform="gpu", head_dim=d).name == "pallas_gpu"
+        assert resolve("mosaic_gpu", PAPER, platform="gpu", head_dim=d).name == "mosaic_gpu"
+    assert resolve("auto", PAPER, platform="gpu", head_dim=128).name == "mosaic_gpu"
+    assert "head_dim up to 256" in mosaic.supports(PAPER, "gpu", "bfloat16", 320, False)
+    monkeypatch.setattr(pallas_gpu, "triton_lowering_available", lambda: False)
+    assert mosaic.defers_in_auto(PAPER, "gpu", "bfloat16", 256, False) is None
+    assert resolve("auto", PAPER, platform="gpu", head_dim=256).name == "mosaic_gpu"
+    assert resolve("auto", PAPER, platform="gpu", head_dim=320).name == "xla"
 
 
 def test_a_jax_without_the_triton_lowering(monkeypatch):

@@ -75,6 +75,18 @@ def test_gradient_lowers_for_cuda(backward, m, kernels):
     assert text.count("xla.gpu.triton") == kernels["triton"]
 
 
+@pytest.mark.parametrize("d,m,kernels", [
+    (256, 30, 6),    # forward, dq, dk, dv, dck, dcv: the key side split at D = 256
+    (160, 0, 4),     # zero-padded to 256; no slots: no dck/dcv kernels
+])
+def test_wide_head_dims_lower_for_cuda(d, m, kernels):
+    """D = 256 (native) and 160 (padded to 256), GQA, L = 700, at the head-dim defaults:
+    Mosaic GPU kernels only, one per kernel the wide backward runs."""
+    assert _lowered_text("bfloat16", d, 8, 2, 700, m).count("mosaic_gpu_v2(") == 1
+    text = _lowered_text("bfloat16", d, 8, 2, 700, m, grad=True, backward="mosaic")
+    assert text.count("mosaic_gpu_v2(") == kernels and "xla.gpu.triton" not in text
+
+
 def test_gradient_lowers_for_cuda_at_every_backward_tiling():
     """float16, D = 64, no GQA, L = 1000: one consumer warpgroup, a deeper ring, wide steps
     and wide dq rows (every backward setting off its default) still lower."""
@@ -126,8 +138,8 @@ def test_input_errors():
         blocked_attention_mosaic_gpu(*args, stages=4)     # 4 x 2 x 32 KiB K/V + Q > 227 KiB
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         blocked_attention_mosaic_gpu(*_small_inputs(jnp.float32))
-    with pytest.raises(ValueError, match="head_dim up to 128"):
-        blocked_attention_mosaic_gpu(*_small_inputs(d=160))
+    with pytest.raises(ValueError, match="head_dim up to 256"):
+        blocked_attention_mosaic_gpu(*_small_inputs(d=320))
     q, k, v, ck, cv, *b = args
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
@@ -139,6 +151,25 @@ def test_backward_config_defaults_fit_shared_memory():
     assert cfg.slot_multiple == 128 and cfg.key_cta_rows == 128
     for d in (64, 128):
         assert max(backward_shared_memory_bytes(cfg, d).values()) <= SMEM_LIMIT_BYTES
+
+
+def test_wide_head_dim_defaults_fit_shared_memory():
+    """At D = 256 the general defaults overflow sm_90's shared memory (the forward's 128-key
+    steps, the backward's two warpgroups and 3 stages); the head-dim defaults fit, split
+    dK from dV, and explicit settings still win."""
+    assert shared_memory_bytes(MosaicConfig(), 256) > SMEM_LIMIT_BYTES
+    assert max(backward_shared_memory_bytes(MosaicBackwardConfig(), 256).values()) \
+        > SMEM_LIMIT_BYTES
+    fwd, bwd = mosaic_config(head_dim=256), mosaic_backward_config(head_dim=256)
+    assert (fwd.block_kv, fwd.stages, fwd.compute_wgs) == (64, 2, 2)
+    assert (bwd.compute_wgs, bwd.stages, bwd.split_keys) == (1, 2, True)
+    assert shared_memory_bytes(fwd, 256) <= SMEM_LIMIT_BYTES
+    assert max(backward_shared_memory_bytes(bwd, 256).values()) <= SMEM_LIMIT_BYTES
+    assert mosaic_config(head_dim=256, stages=3).stages == 3
+    assert mosaic_backward_config(head_dim=256, split_keys=False).split_keys is False
+    assert mosaic_config(head_dim=128) == MosaicConfig()
+    with pytest.raises(ValueError, match="split_keys must be a bool"):
+        mosaic_backward_config(split_keys=1)
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -392,6 +423,9 @@ GPU_OPTIONS = {
 }
 # (dtype, D, Hq, Hkv): bf16 GQA at the model's D; float16 at D = 64 with G = 4.
 GPU_SHAPES = [("bfloat16", 128, 4, 2), ("float16", 64, 4, 1)]
+# D = 96 (zero-padded to 128) and D = 256 (the wide kernels: 64-key forward steps, split
+# dK/dV backward), CCA only.
+WIDE_GPU_SHAPES = [("bfloat16", 96, 2, 2), ("bfloat16", 256, 4, 2)]
 
 
 def _gpu_case(dtype, d, hq, hkv, name, packed):
@@ -403,15 +437,15 @@ def _gpu_case(dtype, d, hq, hkv, name, packed):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_SHAPES + [("bfloat16", 96, 2, 2)])
+@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_SHAPES + WIDE_GPU_SHAPES)
 @pytest.mark.parametrize("name", sorted(GPU_OPTIONS))
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_forward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed):
-    """Every option through `slots_and_bounds`, ragged L = 1000, GQA, packed rows (D = 96:
-    zero-padded to 128, CCA only): the output against float64 row by row, and against the
-    Triton kernels' output."""
-    if d == 96 and name != "cca":
-        pytest.skip("D = 96 (padding) is checked on CCA only")
+    """Every option through `slots_and_bounds`, ragged L = 1000, GQA, packed rows (D = 96
+    zero-padded to 128, and D = 256 at its head-dim defaults, CCA only): the output against
+    float64 row by row, and against the Triton kernels' output."""
+    if d in (96, 256) and name != "cca":
+        pytest.skip(f"D = {d} is checked on CCA only")
     from tests.row_errors import row_max_error
     pattern = GPU_OPTIONS[name]
     q, k, v, ct, seg = _gpu_case(dtype, d, hq, hkv, name, packed)
@@ -494,15 +528,16 @@ def _entry_grads(pattern, q, k, v, ct, seg, **entry_kw):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_SHAPES + [("bfloat16", 96, 2, 2)])
+@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_SHAPES + WIDE_GPU_SHAPES)
 @pytest.mark.parametrize("name", ["cca", "cca_sinks", "full", "streaming"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_backward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed):
     """The Mosaic backward on ragged L = 1000, GQA, packed rows, sinks, no slots
-    (full), D = 96 zero-padded to 128 (CCA only): q/k/v gradients against float64 (naive,
-    x64) and against the Triton backward fed with the same forward, row by row."""
-    if d == 96 and name != "cca":
-        pytest.skip("D = 96 (padding) is checked on CCA only")
+    (full), D = 96 zero-padded to 128 and D = 256 (CCA only): q/k/v gradients against
+    float64 (naive, x64) and against the Triton backward fed with the same forward, row by
+    row."""
+    if d in (96, 256) and name != "cca":
+        pytest.skip(f"D = {d} is checked on CCA only")
     from tests.row_errors import row_max_error
     pattern = GPU_BACKWARD_OPTIONS[name]
     q, k, v, ct, seg = _gpu_case(dtype, d, hq, hkv, name, packed)
@@ -618,11 +653,13 @@ def _core_reference64(q, k, v, ck, cv, raw_lo, core_lo, core_hi, dout):
         return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
 
 
-# (pattern, L, Hq, Hkv, packed, backward tiling): ragged L everywhere (no multiple of 64).
+# (pattern, L, Hq, Hkv, packed, backward tiling, D): ragged L everywhere (no multiple of 64).
 INTERPRETED_BACKWARD = {
-    "cca_gqa_packed": (blocks.CCA(4, 37), 200, 2, 1, True, dict(compute_wgs=1)),
-    "cca_sinks": (blocks.CCA(5, 41, 3), 150, 2, 1, False, dict(compute_wgs=2, stages=3)),
-    "full_no_slots": (blocks.CCA(4, 400), 150, 2, 2, False, dict(compute_wgs=1)),   # m = 0
+    "cca_gqa_packed": (blocks.CCA(4, 37), 200, 2, 1, True, dict(compute_wgs=1), 64),
+    "cca_sinks": (blocks.CCA(5, 41, 3), 150, 2, 1, False, dict(compute_wgs=2, stages=3), 64),
+    "full_no_slots": (blocks.CCA(4, 400), 150, 2, 2, False, dict(compute_wgs=1), 64),  # m = 0
+    # D = 256 at its head-dim defaults: one warpgroup, dK and dV in separate kernels.
+    "cca_d256_split_keys": (blocks.CCA(4, 37), 150, 2, 1, False, {}, 256),
 }
 
 
@@ -638,15 +675,16 @@ def test_interpreted_backward_matches_float64(case):
     from pallas_kernels.mosaic_gpu.interpret import interpret_params
     from pallas_kernels.mosaic_gpu.backward import mosaic_backward
     from tests.row_errors import row_max_error
-    pattern, length, hq, hkv, packed, tiling = INTERPRETED_BACKWARD[case]
-    q, k, v, ct = _inputs(1, length, hq, hkv, 64, jnp.bfloat16, seed=len(case))
+    pattern, length, hq, hkv, packed, tiling, d = INTERPRETED_BACKWARD[case]
+    q, k, v, ct = _inputs(1, length, hq, hkv, d, jnp.bfloat16, seed=len(case))
     seg = jnp.asarray(_segments(1, length, 2)) if packed else None
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
     assert (ck.shape[1] == 0) == (case == "full_no_slots")
     dout = ct.astype(q.dtype)
     out, lse, want = _core_reference64(q, k, v, ck, cv, *bounds, dout)
     got = mosaic_backward(q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype),
-                          jnp.asarray(lse, jnp.float32), dout, mosaic_backward_config(**tiling),
+                          jnp.asarray(lse, jnp.float32), dout,
+                          mosaic_backward_config(head_dim=d, **tiling),
                           interpret=interpret_params(True))
     for name, g, w in zip(("dq", "dk", "dv", "dck", "dcv"), got, want):
         assert g.shape == w.shape and g.dtype == q.dtype, name
@@ -655,6 +693,27 @@ def test_interpreted_backward_matches_float64(case):
         err = row_max_error(g, w)
         print(f"{case} {name}: row error vs float64 {err:.2e}")
         assert err < 1e-2, (name, err)     # bf16 rounding: measured 1.3e-3 to 2.9e-3
+
+
+@pytest.mark.slow   # about 35 s: two interpreted backwards
+def test_split_key_kernels_equal_the_joint_one():
+    """`split_keys` (a dK kernel and a dV kernel, each with one accumulator) gives the joint
+    kernel's dk, dv, dck and dcv bit for bit, in the GPU interpreter: the same products in
+    the same order, only spread over two kernels (D = 64 here; D = 256 uses it)."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.mosaic_gpu.backward import mosaic_backward
+    from pallas_kernels.mosaic_gpu.interpret import interpret_params
+    q, k, v, ct = _inputs(1, 70, 2, 1, 64, jnp.bfloat16, seed=5)
+    ck, cv, *bounds = slots_and_bounds(q, k, v, blocks.CCA(4, 17))
+    dout = ct.astype(q.dtype)
+    out, lse, _ = _core_reference64(q, k, v, ck, cv, *bounds, dout)
+    args = (q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype), jnp.asarray(lse), dout)
+    joint, split = (mosaic_backward(*args, mosaic_backward_config(compute_wgs=1, split_keys=x),
+                                    interpret=interpret_params(True)) for x in (False, True))
+    for name, a, b in zip(("dq", "dk", "dv", "dck", "dcv"), joint, split):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    assert float(jnp.abs(split[1].astype(jnp.float32)).max()) > 0     # not all zeros
 
 
 @pytest.mark.slow   # about 2 minutes: the interpreted forward, then the interpreted backward

@@ -94,6 +94,12 @@ class Backend:
         """Backend-specific refusals after the entry, option and platform checks."""
         return None
 
+    def defers_in_auto(self, option, platform: str, dtype, head_dim: int, packed: bool,
+                       entry: str = "attention") -> str | None:
+        """Why `auto` passes over a call this backend supports (another one is known to
+        serve it better), or None. An explicit request still runs it."""
+        return None
+
     # ---- entry points: the named scope here, the work in the subclasses' `_` methods ----
 
     def attention(self, q, k, v, pattern: AttentionPattern, *, pooling: str, segment_ids):

@@ -9,7 +9,8 @@
 
 `resolve` turns a request into a backend: an explicit name is checked (`Backend.require`:
 the reason and the fix when it cannot run); "auto" takes the first of `AUTO_ORDER` that runs
-compiled on the platform and supports the call (xla always does), and logs its pick once.
+compiled on the platform, supports the call (xla always does) and does not defer it
+(`Backend.defers_in_auto`), and logs its pick once.
 `blocked_backend` and `decode_backend` are the same resolver for a model's prefill chunks
 and decode steps, where the model's own implementation may lack that entry.
 """
@@ -69,7 +70,9 @@ def resolve(implementation: str, option: AttentionPattern | None = None, *,
     for name in AUTO_ORDER:
         backend = BACKENDS[name]
         if (backend.runs_on(platform, compiled=True)
-                and backend.supports(option, platform, dtype, head_dim, packed, entry) is None):
+                and backend.supports(option, platform, dtype, head_dim, packed, entry) is None
+                and backend.defers_in_auto(option, platform, dtype, head_dim, packed,
+                                           entry) is None):
             _log_choice_once(option.kind, platform, packed, entry, name)
             return backend
     raise AssertionError("xla supports every call")   # unreachable: XLA takes everything

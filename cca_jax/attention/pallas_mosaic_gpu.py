@@ -7,8 +7,9 @@ one). Its decode step is the Mosaic GPU decode kernel where that kernel takes th
 the Triton decode kernel's (`pallas_gpu`) otherwise: the same function in a float32 softmax,
 so the borrowed entry changes speed, not results (logged once). Forward timings:
 benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
-sm_90+ GPUs for bfloat16 and float16; float32, older GPUs and head dims above 128 go to
-`pallas_gpu` or `xla`.
+sm_90+ GPUs for bfloat16 and float16 up to head dim 128; float32 and older GPUs go to
+`pallas_gpu` or `xla`, and so do head dims 129-256 while JAX has the Triton lowering (the
+256-wide Mosaic kernels run when asked for by name, or when the Triton lowering is gone).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cca_jax.blocks import AttentionPattern
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIN_CAPABILITY = 9.0   # wgmma and TMA: sm_90 (Hopper) and later
+_MEASURED_HEAD_DIM = 128   # `auto` defers wider heads to the Triton kernels while JAX has them
 
 _log = logging.getLogger(__name__)
 
@@ -66,8 +68,9 @@ def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
 
 
 class MosaicGpuBackend(Backend):
-    """Every option, packed or not; bfloat16 and float16; head_dim up to 128 (64 and 128
-    native, others zero-padded); an sm_90+ GPU when compiled."""
+    """Every option, packed or not; bfloat16 and float16; head_dim up to 256 (64, 128 and
+    256 native, others zero-padded); an sm_90+ GPU when compiled. `auto` passes it over for
+    head dims above 128 while the Triton kernels can serve them (`defers_in_auto`)."""
 
     def _refuses(self, option, platform, dtype, head_dim, packed, entry):
         if entry == "decode":   # its own decode kernel, else the Triton one's: their union
@@ -89,6 +92,15 @@ class MosaicGpuBackend(Backend):
             if capability < _MIN_CAPABILITY:
                 return (f"it needs a Hopper (sm_90+) GPU, this one is sm_{capability:g}; "
                         "'pallas_gpu' runs there")
+        return None
+
+    def defers_in_auto(self, option, platform, dtype, head_dim, packed, entry="attention"):
+        """Head dims above 128 (the 256-wide kernels) go to the Triton kernels while JAX has
+        them: those are measured on the H200, these are not yet."""
+        if head_dim > _MEASURED_HEAD_DIM and PALLAS_GPU.supports(
+                option, platform, dtype, head_dim, packed, entry) is None:
+            return (f"its kernels at head_dim {head_dim} are not yet measured on the H200; "
+                    "'pallas_gpu' serves it")
         return None
 
     def _attention(self, q, k, v, pattern, *, pooling, segment_ids):

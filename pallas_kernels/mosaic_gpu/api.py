@@ -94,7 +94,7 @@ def _backward_config(backward: str, dtype, width: int, softmax_head_dim: int, ba
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}.")
     if backward == "mosaic":
-        cfg = mosaic_backward_config(**(backward_tiling or {}))
+        cfg = mosaic_backward_config(head_dim=width, **(backward_tiling or {}))
         check_backward_shared_memory(cfg, width, jnp.dtype(dtype).itemsize)
     else:
         from pallas_kernels.gpu.api import kernel_config
@@ -112,8 +112,9 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     K/V never repeated); ck, cv: `[B, m, Hq, D]` slot keys/values per query head (m may be
     0); raw_lo, core_lo, core_hi: int `[B, L]`, each non-decreasing along t. Row t sees raw
     keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])`. bfloat16 or float16; D up
-    to 128 (64 and 128 native, others zero-padded to the next). `tiling`: MosaicConfig
-    fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first).
+    to 256 (64, 128 and 256 native, others zero-padded to the next). `tiling`: MosaicConfig
+    fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first) over
+    the defaults for the kernel head dim (`config.WIDE_FORWARD_DEFAULTS` at 256).
     Differentiable in q, k, v, ck, cv: `backward="mosaic"` (default: measured faster on the
     H200) runs the Mosaic GPU backward kernels (`backward_tiling`: MosaicBackwardConfig
     overrides), `"triton"` the Triton-lowered ones (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper
@@ -133,7 +134,7 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     if width is None:
         raise ValueError(f"the Mosaic GPU kernels take head_dim up to {HEAD_DIMS[-1]}, got "
                          f"{d}; use implementation='xla'.")
-    cfg = mosaic_config(**tiling)
+    cfg = mosaic_config(head_dim=width, **tiling)
     check_shared_memory(cfg, width, q.dtype.itemsize)
     if width != d:
         cfg = cfg._replace(softmax_head_dim=d)

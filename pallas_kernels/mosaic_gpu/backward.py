@@ -6,7 +6,8 @@ and have dO = 0, so they add nothing), computes delta = rowsum(dO * O), stacks i
 forward's log2-sum-exp, and builds the block-visit tables from `cca_jax.blocks` (the one
 place that arithmetic lives): the forward's tables for dq, `key_visit_tables` for the
 key-side kernels. Three kernels, no atomics: dq per query block, dk/dv per raw key block
-(GQA summed in registers), dck/dcv per slot block.
+(GQA summed in registers), dck/dcv per slot block (the key-side ones as a dK and a dV kernel
+each with `cfg.split_keys`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
                                   compute_wgs=cfg.compute_wgs, block_q=cfg.key_block_q)
     dq = dq_kernel(qp, kp, vp, ckp, cvp, dop, stats, bounds, fwd.cta, fwd.wg, cfg,
                    interpret=interpret)
-    dk, dv = key_grads(qp, dop, stats, bounds, kp, vp, raw.cta, raw.wg, "raw", cfg,
-                       interpret=interpret)
+
+    def keys_and_values(keys, values, tables, kind):
+        args = (qp, dop, stats, bounds, keys, values, tables.cta, tables.wg, kind, cfg)
+        if not cfg.split_keys:
+            return key_grads(*args, interpret=interpret)
+        return (key_grads(*args, interpret=interpret, outputs=("dk",))[0],
+                key_grads(*args, interpret=interpret, outputs=("dv",))[0])
+    dk, dv = keys_and_values(kp, vp, raw, "raw")
     if m == 0:
         dck, dcv = jnp.zeros_like(ck), jnp.zeros_like(cv)
     else:
-        dck, dcv = key_grads(qp, dop, stats, bounds, ckp, cvp, slots.cta, slots.wg, "core",
-                             cfg, interpret=interpret)
+        dck, dcv = keys_and_values(ckp, cvp, slots, "core")
     return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m])

@@ -15,7 +15,15 @@ from typing import NamedTuple
 SMEM_LIMIT_BYTES = 227 * 1024
 BLOCK_Q_CHOICES = (64, 128)
 BLOCK_KV_CHOICES = (64, 128, 256)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# Defaults that replace the general ones at a kernel head dim where those do not fit sm_90:
+# at D = 256 a 64 x 256 float32 accumulator is 128 registers a thread and a 64-row tile is
+# 32 KiB, so the forward takes 64-key steps (192 KiB of tiles at 2 stages) and the backward
+# runs one consumer warpgroup (192 KiB) with dK and dV in separate kernels (one accumulator
+# each). Explicit settings still override these.
+WIDE_HEAD_DIM = 256
+WIDE_FORWARD_DEFAULTS = {"block_kv": 64, "stages": 2}
+WIDE_BACKWARD_DEFAULTS = {"compute_wgs": 1, "stages": 2, "split_keys": True}
 
 
 class MosaicConfig(NamedTuple):
@@ -92,16 +100,18 @@ def check_shared_memory(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> 
             f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block_kv.")
 
 
-def mosaic_config(**fields) -> MosaicConfig:
-    """A validated MosaicConfig with `fields` overriding the defaults (None values ignored,
-    so callers may pass optional settings through)."""
+def mosaic_config(*, head_dim: int = 128, **fields) -> MosaicConfig:
+    """A validated MosaicConfig with `fields` overriding the defaults for kernel head dim
+    `head_dim` (`WIDE_FORWARD_DEFAULTS` at 256; None values ignored, so callers may pass
+    optional settings through)."""
     fields = {name: value for name, value in fields.items() if value is not None}
     for name in fields:
         if name not in MosaicConfig._fields or name == "softmax_head_dim":
             settable = [f for f in MosaicConfig._fields if f != "softmax_head_dim"]
             raise ValueError(f"unknown Mosaic GPU kernel setting {name!r}; the settings are "
                              f"{settable}.")
-    return check_config(MosaicConfig(**fields))
+    defaults = WIDE_FORWARD_DEFAULTS if head_dim >= WIDE_HEAD_DIM else {}
+    return check_config(MosaicConfig(**{**defaults, **fields}))
 
 
 # ---- the backward kernels ---------------------------------------------------------------------
@@ -121,6 +131,9 @@ class MosaicBackwardConfig(NamedTuple):
         warpgroup owns `KEY_ROWS` keys or slots and accumulates their gradients).
     stages: buffers in flight in every kernel's ring (>= 2).
     compute_wgs: consumer warpgroups per CTA in every kernel (1 or 2), sharing one ring.
+    split_keys: dK and dV in two kernels, each holding one float32 accumulator (the dK one
+        recomputes the scores: one more product per step) where both would not fit a
+        thread's registers: D = 256.
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -128,6 +141,7 @@ class MosaicBackwardConfig(NamedTuple):
     key_block_q: int = 64
     stages: int = 3   # faster than 2 at 8K-128K: research/mosaic_gpu_cca_bwd_h200.md
     compute_wgs: int = 2
+    split_keys: bool = False
     softmax_head_dim: int = 0
 
     @property
@@ -155,6 +169,8 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
     _choice("compute_wgs", cfg.compute_wgs, (1, 2))
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
+    if not isinstance(cfg.split_keys, bool):
+        raise ValueError(f"split_keys must be a bool, got {cfg.split_keys!r}.")
     if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
             or cfg.softmax_head_dim < 0:
         raise ValueError(f"softmax_head_dim must be an int >= 0, got {cfg.softmax_head_dim!r}.")
@@ -188,9 +204,9 @@ def check_backward_shared_memory(cfg: MosaicBackwardConfig, head_dim: int,
                 f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or {block}.")
 
 
-def mosaic_backward_config(**fields) -> MosaicBackwardConfig:
-    """A validated MosaicBackwardConfig with `fields` overriding the defaults (None values
-    ignored)."""
+def mosaic_backward_config(*, head_dim: int = 128, **fields) -> MosaicBackwardConfig:
+    """A validated MosaicBackwardConfig with `fields` overriding the defaults for kernel
+    head dim `head_dim` (`WIDE_BACKWARD_DEFAULTS` at 256; None values ignored)."""
     fields = {name: value for name, value in fields.items() if value is not None}
     settable = [f for f in MosaicBackwardConfig._fields if f != "softmax_head_dim"]
     for name in fields:
@@ -198,4 +214,5 @@ def mosaic_backward_config(**fields) -> MosaicBackwardConfig:
             raise ValueError(f"unknown Mosaic GPU backward setting {name!r}; the settings "
                              f"are {settable} (or pass backward='triton' to tune the "
                              f"Triton backward with its kernel_config fields).")
-    return check_backward_config(MosaicBackwardConfig(**fields))
+    defaults = WIDE_BACKWARD_DEFAULTS if head_dim >= WIDE_HEAD_DIM else {}
+    return check_backward_config(MosaicBackwardConfig(**{**defaults, **fields}))

@@ -12,7 +12,8 @@ one query block's Q, dO, row bounds and (log2-sum-exp, delta) into ring slot
 `cca_jax.blocks`). A slot block no row sees (padding; m = 0) has no steps: zeros.
 Per step, transposed (keys along rows): S^T = K Q^T, P^T = exp2(S^T c - lse), dV += P^T dO
 and dP^T = V dO^T (issued together), dS^T = P^T (dP^T - delta), dK += dS^T Q; masked only
-on edge blocks.
+on edge blocks. `outputs` may ask for dK or dV alone (`MosaicBackwardConfig.split_keys`,
+D = 256): that kernel holds one accumulator and skips the other's products.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ from pallas_kernels.mosaic_gpu.tables import Q_FIRST, Q_FULL_FIRST, Q_FULL_LAST,
 
 _LOG2E = math.log2(math.e)
 KINDS = ("raw", "core")
+OUTPUTS = (("dk", "dv"), ("dk",), ("dv",))
 
 
-def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
-            dk_ref, dv_ref,
-            k_smem, v_smem, q_smem, do_smem, rows_smem, stats_smem,
-            k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free,
-            *, cfg: MosaicBackwardConfig, kind: str, groups: int, scale: float,
+def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref, *refs,
+            cfg: MosaicBackwardConfig, kind: str, outputs: tuple, groups: int, scale: float,
             interpreted: bool):
+    out_refs = dict(zip(outputs, refs))
+    (k_smem, v_smem, q_smem, do_smem, rows_smem, stats_smem,
+     k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free) = refs[len(outputs):]
+    want_dk, want_dv = "dk" in outputs, "dv" in outputs
     bk, bq, stages, wgs = KEY_ROWS, cfg.key_block_q, cfg.stages, cfg.compute_wgs
     dtype = q_ref.dtype
     batch = lax.axis_index("batch")
@@ -59,9 +62,10 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
         own_keys = pl.ds(x0, bk)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, own_keys, head], k_tile, k_bar.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, own_keys, head], v_tile, v_bar.at[wg])
+        if want_dk:   # V only enters dP^T, which only dK needs
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, own_keys, head], v_tile, v_bar.at[wg])
+            plgpu.barrier_wait(v_bar.at[wg])
         plgpu.barrier_wait(k_bar.at[wg])
-        plgpu.barrier_wait(v_bar.at[wg])
         c = scale * _LOG2E
 
         def wide(x):
@@ -78,7 +82,8 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
                     & (keys < wide(as_cols(rows.at[2][...]))))
 
         def step(s, block, carry, masked):
-            dk, dv = carry
+            """carry: the accumulators of `outputs`, in its order."""
+            grads = dict(zip(outputs, carry))
             slot = lax.rem(s, jnp.int32(stages))
             for ready in (q_ready, do_ready, rows_ready, stats_ready):
                 plgpu.barrier_wait(ready.at[slot])
@@ -87,12 +92,20 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
             if masked:
                 st = jnp.where(visible(rows_smem.at[slot], block * bq), st, -jnp.inf)
             pt = jnp.exp2(st * c - wide(as_cols(stats.at[0][...])))
-            dv, dpt = pipeline.accumulate_and_score(dv, pt.astype(dtype), do_tile, v_tile,
-                                                    do_tile, interpreted)
-            dst = pt * (dpt - wide(as_cols(stats.at[1][...])))
-            dk = pipeline.accumulate(dk, dst.astype(dtype), q_tile, interpreted)
+            if want_dk and want_dv:
+                grads["dv"], dpt = pipeline.accumulate_and_score(
+                    grads["dv"], pt.astype(dtype), do_tile, v_tile, do_tile, interpreted)
+            elif want_dv:
+                grads["dv"] = pipeline.accumulate(grads["dv"], pt.astype(dtype), do_tile,
+                                                  interpreted)
+            else:
+                dpt = pipeline.scores(v_tile, do_tile, interpreted)
+            if want_dk:
+                dst = pt * (dpt - wide(as_cols(stats.at[1][...])))
+                grads["dk"] = pipeline.accumulate(grads["dk"], dst.astype(dtype), q_tile,
+                                                  interpreted)
             plgpu.barrier_arrive(free.at[slot])
-            return dk, dv
+            return tuple(grads[name] for name in outputs)
 
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
         full_first, full_last = wg_ref[batch, own, Q_FULL_FIRST], wg_ref[batch, own, Q_FULL_LAST]
@@ -101,15 +114,17 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
             return pipeline.walk(first, full_first, full_last, first + per_head,
                                  gi * per_head, step, carry)
         zeros = as_tile(jnp.zeros((bk, k_ref.shape[-1]), jnp.float32))
-        carry = (zeros, zeros)
+        carry = (zeros,) * len(outputs)
         carry = head_walk(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_walk,
                                                                       carry)
-        dk, dv = carry
-        k_tile[...] = (dk * scale).astype(dtype)
-        v_tile[...] = dv.astype(dtype)
+        # Written through the K (dK) and V (dV) tiles, which the walk is done reading.
+        staged = {"dk": (k_tile, scale), "dv": (v_tile, 1.0)}
+        for name, grad in zip(outputs, carry):
+            tile_smem, factor = staged[name]
+            tile_smem[...] = (grad * factor if factor != 1.0 else grad).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[batch, own_keys, head])
-        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[batch, own_keys, head])
+        for name in outputs:
+            plgpu.copy_smem_to_gmem(staged[name][0], out_refs[name].at[batch, own_keys, head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -133,14 +148,18 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
 
 
 def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: str,
-              cfg: MosaicBackwardConfig, interpret=None):
-    """(dK, dV) shaped like `keys`, `values`: raw k, v `[B, Lp, Hkv, D]` (`kind="raw"`) or
-    slots ck, cv `[B, Mp, Hq, D]` (`kind="core"`), from padded q, dO `[B, Lp, Hq, D]`, stats
-    `[B, Hq, 2, Lp]` float32 (log2-sum-exp, delta), bounds `[B, 3, Lp]` and that kind's
-    `tables.key_visit_tables` (Lp and Mp multiples of `cfg.key_cta_rows` and
-    `cfg.key_block_q`). `interpret`: None or the GPU interpreter's params."""
+              cfg: MosaicBackwardConfig, interpret=None, outputs: tuple = ("dk", "dv")):
+    """The gradients named by `outputs` (dK, dV, in that order), shaped like `keys`,
+    `values`: raw k, v `[B, Lp, Hkv, D]` (`kind="raw"`) or slots ck, cv `[B, Mp, Hq, D]`
+    (`kind="core"`), from padded q, dO `[B, Lp, Hq, D]`, stats `[B, Hq, 2, Lp]` float32
+    (log2-sum-exp, delta), bounds `[B, 3, Lp]` and that kind's `tables.key_visit_tables` (Lp
+    and Mp multiples of `cfg.key_cta_rows` and `cfg.key_block_q`). `interpret`: None or the
+    GPU interpreter's params."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+    outputs = tuple(outputs)
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}.")
     b, lp, hq, d = q.shape
     heads = keys.shape[2]
     wgs, stages = cfg.compute_wgs, cfg.stages
@@ -163,14 +182,15 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
         plgpu.Barrier(num_barriers=stages),                    # stats landed
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # ring slot released
     )
-    kernel = functools.partial(_kernel, cfg=cfg, kind=kind,
+    kernel = functools.partial(_kernel, cfg=cfg, kind=kind, outputs=outputs,
                                groups=hq // heads if kind == "raw" else 1,
                                scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
                                interpreted=interpret is not None)
-    return plgpu.kernel(
+    like = {"dk": keys, "dv": values}
+    grads = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct(keys.shape, keys.dtype),
-                  jax.ShapeDtypeStruct(values.shape, values.dtype)),
+        out_type=tuple(jax.ShapeDtypeStruct(like[name].shape, like[name].dtype)
+                       for name in outputs),
         scratch_types=scratch,
         grid=(heads, keys.shape[1] // cfg.key_cta_rows, b),
         grid_names=("heads", "key_tiles", "batch"),
@@ -179,3 +199,4 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(q, do, stats, bounds, keys, values, cta_visits, wg_visits)
+    return tuple(grads)
