@@ -160,6 +160,11 @@ def test_interpreted_float16_d128_default_tiling():
     _check_interpreted(([40, 5], [20, 7], [20, 9]), d=128, dtype=jnp.float16, seed=3)
 
 
+def test_interpreted_d256_default_tiling():
+    """D = 256 at its default 64-key steps, R = 100 (two ring blocks), GQA."""
+    _check_interpreted(([90, 20], [60, 80], [20, 9]), d=256, ring=100, seed=4)
+
+
 def test_interpreted_cca_positions_against_the_spec_oracle():
     """Bounds from `cca_jax.blocks.decode_bounds` of CCA(g=8, s=40) (R = s + g = 48, C = 20
     at max_len 200) at positions crossing the first core token (t = 47), ring wraps and the
@@ -255,6 +260,7 @@ def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
     (1, 32, 32, 128, "bfloat16", None, dict(block=64, stages=4)),  # MHA, unstacked
     (2, 8, 2, 64, "float16", 4, dict(block=256, splits=3, slot_layout="bhcd")),
     (2, 16, 1, 128, "bfloat16", None, dict(block=128, stages=3)),  # MQA: 8 slots a head
+    (2, 16, 2, 256, "bfloat16", 4, {}),                          # D = 256: 64-key steps
 ])
 def test_lowers_for_cuda(b, hq, hkv, d, dtype, layers, tiling):
     """R = 1040, C = 8192 (the 7B cache at 128K): one Mosaic GPU kernel, no Triton one."""
@@ -282,6 +288,10 @@ def test_config_defaults_fit_shared_memory():
     assert cfg == MosaicDecodeConfig() and decode_config(block=None) == cfg
     for d in (64, 128):
         assert shared_memory_bytes(cfg, d) <= SMEM_LIMIT_BYTES
+    assert shared_memory_bytes(cfg, 256) > SMEM_LIMIT_BYTES     # hence D = 256's default
+    wide = decode_config(head_dim=256)
+    assert wide.block == 64 and shared_memory_bytes(wide, 256) <= SMEM_LIMIT_BYTES
+    assert decode_config(head_dim=256, block=128).block == 128  # explicit settings win
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -312,6 +322,8 @@ def test_input_errors_name_the_fix():
     q, k, v, ck, cv, bounds = _small()
     with pytest.raises(ValueError, match="head_dim in .*implementation='pallas_gpu' or 'xla'"):
         call(*_small(d=96))
+    with pytest.raises(ValueError, match="shared memory.*lower stages or block"):
+        call(*_small(d=256), block=128)
     with pytest.raises(ValueError, match="bfloat16 or float16.*'pallas_gpu'"):
         call(*_small(dtype=jnp.float32))
     with pytest.raises(ValueError, match="multiple of Hkv"):
@@ -334,7 +346,9 @@ def test_decode_refusal_says_why():
     assert decode_refusal(jnp.bfloat16, 128, 32, 8) is None
     assert decode_refusal(jnp.float16, 64, 32, 32) is None
     assert "float32" in decode_refusal(jnp.float32, 128, 32, 8)
-    assert "head_dim" in decode_refusal(jnp.bfloat16, 256, 32, 8)
+    assert "head_dim" in decode_refusal(jnp.bfloat16, 96, 32, 8)
+    assert decode_refusal(jnp.bfloat16, 256, 32, 8) is None                # G = 4, block 64
+    assert "block / G" in decode_refusal(jnp.bfloat16, 256, 32, 2)        # G = 16 at 64
     assert "multiple of Hkv" in decode_refusal(jnp.bfloat16, 128, 12, 8)
     assert "block / G" in decode_refusal(jnp.bfloat16, 128, 32, 1)        # G = 32
     assert "shared memory" in decode_refusal(jnp.bfloat16, 128, 32, 1, block=256)
@@ -404,11 +418,12 @@ def test_gpu_matches_float64_and_triton(hkv, tiling):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 2), ("float16", 64, 1)])
+@pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 2), ("float16", 64, 1),
+                                         ("bfloat16", 256, 2)])
 def test_gpu_small_cache_head_major_slots_model_dtype_out(dtype, d, hkv):
     """Tiny and ragged caches compiled (R = 48 and C = 20 zero-padded up to a block), slots
-    `[L, B, Hq, C, D]`, output in the cache dtype; bf16 GQA at D = 128, float16 MQA at
-    D = 64 (G = 8)."""
+    `[L, B, Hq, C, D]`, output in the cache dtype; bf16 GQA at D = 128 and 256 (64-key
+    steps), float16 MQA at D = 64 (G = 8)."""
     row_bounds = ([40, 5], [20, 7], [20, 9])
     dtype = jnp.dtype(dtype)
     q, k, v, ck, cv = _case(2, 8, hkv, d, 48, 20, dtype, 0, layers=2)

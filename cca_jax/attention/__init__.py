@@ -43,7 +43,7 @@ def resolve_implementation(implementation: str, backend: str | None = None, *,
     (`backends.resolve`; an explicit name that cannot run raises the reason and the fix).
 
     "auto": on NVIDIA GPUs, cuDNN for full and sliding attention on unpacked rows in
-    bf16/fp16, else the Pallas kernels where the head dim is 64 or 128; on TPUs the Pallas TPU
+    bf16/fp16, else the Pallas GPU kernels (head dims up to 256); on TPUs the Pallas TPU
     kernels; `xla` elsewhere.
     """
     return resolve(implementation, pattern, platform=backend, dtype=dtype, head_dim=head_dim,

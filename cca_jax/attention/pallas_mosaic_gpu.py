@@ -3,7 +3,8 @@ forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator
 
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
 one). Its decode step is the Mosaic GPU decode kernel where that kernel takes the cache
-(bfloat16/float16, D 64 or 128, up to 16 query heads per KV head at its default block) and
+(bfloat16/float16, D 64, 128 or 256, up to 16 query heads per KV head at its default block
+at D <= 128, 8 at D = 256) and
 the Triton decode kernel's (`pallas_gpu`) otherwise: the same function in a float32 softmax,
 so the borrowed entry changes speed, not results (logged once). Forward timings:
 benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on

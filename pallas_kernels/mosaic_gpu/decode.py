@@ -48,8 +48,10 @@ from cca_jax.blocks import DecodeBounds
 from pallas_kernels.mosaic_gpu.interpret import interpret_params
 from pallas_kernels.shapes import check_decode_inputs
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 BLOCKS = (64, 128, 256)    # the value product's K: a multiple of 64 (128-byte swizzle)
+# At D = 256 the default 128-key steps' K/V buffers alone are 256 KiB: 64-key steps there.
+WIDE_HEAD_DIM, WIDE_BLOCK = 256, 64
 SLOT_LAYOUTS = ("bchd", "bhcd")   # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
 SMEM_LIMIT_BYTES = 227 * 1024     # sm_90's shared memory per CTA
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -83,9 +85,12 @@ def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 
     return _ROWS * head_dim * itemsize + (2 * cfg.stages + 1) * 8 + max(buffers, out)
 
 
-def decode_config(**fields) -> MosaicDecodeConfig:
-    """A checked MosaicDecodeConfig with `fields` overriding its defaults (None ignored)."""
+def decode_config(*, head_dim: int = 128, **fields) -> MosaicDecodeConfig:
+    """A checked MosaicDecodeConfig with `fields` overriding its defaults for head dim
+    `head_dim` (block `WIDE_BLOCK` at 256; None ignored)."""
     fields = {name: value for name, value in fields.items() if value is not None}
+    if head_dim >= WIDE_HEAD_DIM:
+        fields = {"block": WIDE_BLOCK, **fields}
     for name, value in fields.items():
         if name not in MosaicDecodeConfig._fields:
             raise ValueError(f"unknown Mosaic GPU decode setting {name!r}; the settings are "
@@ -142,8 +147,8 @@ def decode_refusal(dtype, head_dim: int, q_heads: int, kv_heads: int, **tiling) 
     if kv_heads < 1 or q_heads % kv_heads:
         return f"Hq = {q_heads} is not a multiple of Hkv = {kv_heads}"
     try:
-        check_shapes(decode_config(**tiling), q_heads // kv_heads, head_dim,
-                     jnp.dtype(dtype).itemsize)
+        check_shapes(decode_config(head_dim=head_dim, **tiling), q_heads // kv_heads,
+                     head_dim, jnp.dtype(dtype).itemsize)
     except ValueError as e:
         return str(e)
     return None
@@ -426,11 +431,13 @@ def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     scalar, traced or not). bfloat16 or float16, one dtype; D in `HEAD_DIMS` (the cache is
     stored at the model's D: others go to implementation='pallas_gpu' or 'xla').
     Invisible ring entries and slots must be finite (module docstring).
-    tiling: `MosaicDecodeConfig` fields (block, stages, splits, slot_layout). interpret:
+    tiling: `MosaicDecodeConfig` fields (block, stages, splits, slot_layout) over the
+    defaults for D (`decode_config`). interpret:
     None/False compiles for the GPU (lowers for "cuda" anywhere); True (or an
     `InterpretGPUParams`) runs jax's GPU interpreter on the CPU (tiny shapes only).
     """
-    cfg = decode_config(**tiling)
+    d = q.shape[-1]
+    cfg = decode_config(head_dim=d, **tiling)
     b, hq, d, hkv = check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds,
                                         stacked=layer is not None, slot_layout=cfg.slot_layout)
     if d not in HEAD_DIMS:
