@@ -117,7 +117,7 @@ def test_auto_keeps_wide_heads_on_the_triton_kernels_while_jax_has_them(monkeypa
 def test_a_jax_without_the_triton_lowering(monkeypatch):
     """Once JAX drops Pallas' Triton backend: `pallas_gpu` refuses and says what runs instead,
     `auto` takes Mosaic GPU on Hopper and XLA elsewhere, and the Mosaic GPU decode entry
-    keeps what its own kernel takes (bf16/fp16, head dims 64 and 128)."""
+    keeps what its own kernel takes (bf16/fp16, head dims 64, 80, 96, 128 and 256)."""
     from cca_jax.attention import pallas_gpu, pallas_mosaic_gpu
     monkeypatch.setattr(pallas_gpu, "triton_lowering_available", lambda: False)
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
@@ -129,8 +129,9 @@ def test_a_jax_without_the_triton_lowering(monkeypatch):
     assert resolve("auto", PAPER, platform="gpu", dtype="float32").name == "xla"
     mosaic = BACKENDS["mosaic_gpu"]
     assert mosaic.supports(PAPER, "gpu", "bfloat16", 128, False, "decode") is None
-    assert "head_dim" in mosaic.supports(PAPER, "gpu", "bfloat16", 96, False, "decode")
-    assert decode_backend("auto", PAPER, head_dim=96, dtype="bfloat16",
+    assert mosaic.supports(PAPER, "gpu", "bfloat16", 96, False, "decode") is None
+    assert "head_dim" in mosaic.supports(PAPER, "gpu", "bfloat16", 72, False, "decode")
+    assert decode_backend("auto", PAPER, head_dim=72, dtype="bfloat16",
                           platform="gpu").name == "xla"
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 8.0)
     assert resolve("auto", PAPER, platform="gpu").name == "xla"

@@ -160,9 +160,11 @@ def test_interpreted_float16_d128_default_tiling():
     _check_interpreted(([40, 5], [20, 7], [20, 9]), d=128, dtype=jnp.float16, seed=3)
 
 
-def test_interpreted_d256_default_tiling():
-    """D = 256 at its default 64-key steps, R = 100 (two ring blocks), GQA."""
-    _check_interpreted(([90, 20], [60, 80], [20, 9]), d=256, ring=100, seed=4)
+@pytest.mark.parametrize("d", [80, 96, 256])
+def test_interpreted_other_head_dims(d):
+    """D = 80 and 96 (the cache read in place: 32- and 64-byte swizzled tiles) and 256 (its
+    default 64-key steps), R = 100 (two ring blocks), GQA."""
+    _check_interpreted(([90, 20], [60, 80], [20, 9]), d=d, ring=100, seed=d)
 
 
 def test_interpreted_cca_positions_against_the_spec_oracle():
@@ -182,7 +184,7 @@ def test_interpreted_cca_positions_against_the_spec_oracle():
 
 # ---- CPU: the backend's decode entry ---------------------------------------------------------
 
-def _backend_case(hq, hkv, dtype, seed=0):
+def _backend_case(hq, hkv, dtype, seed=0, d=64):
     """A stacked two-layer cache of CCA(8, 40) at max_len 200 (R = 48, C = 20), as a `KVCache`
     holds it, and positions crossing the first core token and ring wraps."""
     pattern = blocks.CCA(8, 40)
@@ -192,10 +194,27 @@ def _backend_case(hq, hkv, dtype, seed=0):
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
     positions = jnp.asarray([0, 47, 96, 199], jnp.int32)
-    q = normal(4, hq, 64)
-    k, v = normal(2, 4, ring, hkv, 64), normal(2, 4, ring, hkv, 64)
-    ck, cv = normal(2, 4, num_slots, hq, 64), normal(2, 4, num_slots, hq, 64)
+    q = normal(4, hq, d)
+    k, v = normal(2, 4, ring, hkv, d), normal(2, 4, ring, hkv, d)
+    ck, cv = normal(2, 4, num_slots, hq, d), normal(2, 4, num_slots, hq, d)
     return (q, k, v, ck, cv, 1, pattern, positions)
+
+
+def test_backend_decode_keeps_unmeasured_head_dims_on_the_triton_kernel(monkeypatch):
+    """D = 96: the Mosaic kernel takes it, but the entry runs the Triton kernel (bit for
+    bit) while JAX has it, since the Mosaic one has not run at D = 96 on the H200; without
+    the Triton lowering, the Mosaic kernel runs it."""
+    from cca_jax.attention import pallas_gpu
+    from cca_jax.attention.pallas_gpu import PALLAS_GPU
+    from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
+    args = _backend_case(4, 2, jnp.bfloat16, seed=2, d=96)
+    assert decode_refusal(jnp.bfloat16, 96, 4, 2) is None
+    triton = np.asarray(PALLAS_GPU.decode(*args), np.float32)
+    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*args), np.float32), triton)
+    monkeypatch.setattr(pallas_gpu, "triton_lowering_available", lambda: False)
+    own = np.asarray(MOSAIC_GPU.decode(*args), np.float32)
+    assert not np.array_equal(own, triton)      # another kernel: other rounding
+    assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, 96)
 
 
 def test_backend_decode_runs_its_own_kernel_and_borrows_the_triton_one_where_it_refuses(
@@ -261,6 +280,8 @@ def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
     (2, 8, 2, 64, "float16", 4, dict(block=256, splits=3, slot_layout="bhcd")),
     (2, 16, 1, 128, "bfloat16", None, dict(block=128, stages=3)),  # MQA: 8 slots a head
     (2, 16, 2, 256, "bfloat16", 4, {}),                          # D = 256: 64-key steps
+    (2, 16, 2, 96, "bfloat16", 4, {}),                           # 64-byte swizzle
+    (2, 8, 1, 80, "float16", None, {}),                          # 32-byte swizzle
 ])
 def test_lowers_for_cuda(b, hq, hkv, d, dtype, layers, tiling):
     """R = 1040, C = 8192 (the 7B cache at 128K): one Mosaic GPU kernel, no Triton one."""
@@ -321,7 +342,7 @@ def test_input_errors_name_the_fix():
     call = decode_attention_mosaic_gpu
     q, k, v, ck, cv, bounds = _small()
     with pytest.raises(ValueError, match="head_dim in .*implementation='pallas_gpu' or 'xla'"):
-        call(*_small(d=96))
+        call(*_small(d=72))
     with pytest.raises(ValueError, match="shared memory.*lower stages or block"):
         call(*_small(d=256), block=128)
     with pytest.raises(ValueError, match="bfloat16 or float16.*'pallas_gpu'"):
@@ -346,7 +367,8 @@ def test_decode_refusal_says_why():
     assert decode_refusal(jnp.bfloat16, 128, 32, 8) is None
     assert decode_refusal(jnp.float16, 64, 32, 32) is None
     assert "float32" in decode_refusal(jnp.float32, 128, 32, 8)
-    assert "head_dim" in decode_refusal(jnp.bfloat16, 96, 32, 8)
+    assert "head_dim" in decode_refusal(jnp.bfloat16, 72, 32, 8)
+    assert decode_refusal(jnp.bfloat16, 80, 32, 8) is None
     assert decode_refusal(jnp.bfloat16, 256, 32, 8) is None                # G = 4, block 64
     assert "block / G" in decode_refusal(jnp.bfloat16, 256, 32, 2)        # G = 16 at 64
     assert "multiple of Hkv" in decode_refusal(jnp.bfloat16, 128, 12, 8)
@@ -419,11 +441,12 @@ def test_gpu_matches_float64_and_triton(hkv, tiling):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 2), ("float16", 64, 1),
-                                         ("bfloat16", 256, 2)])
+                                         ("bfloat16", 256, 2), ("bfloat16", 96, 2),
+                                         ("float16", 80, 1)])
 def test_gpu_small_cache_head_major_slots_model_dtype_out(dtype, d, hkv):
     """Tiny and ragged caches compiled (R = 48 and C = 20 zero-padded up to a block), slots
-    `[L, B, Hq, C, D]`, output in the cache dtype; bf16 GQA at D = 128 and 256 (64-key
-    steps), float16 MQA at D = 64 (G = 8)."""
+    `[L, B, Hq, C, D]`, output in the cache dtype; bf16 GQA at D = 128, 256 (64-key steps)
+    and 96, float16 MQA at D = 64 and 80 (G = 8)."""
     row_bounds = ([40, 5], [20, 7], [20, 9])
     dtype = jnp.dtype(dtype)
     q, k, v, ck, cv = _case(2, 8, hkv, d, 48, 20, dtype, 0, layers=2)
