@@ -40,9 +40,12 @@ def decode_implementation(cfg: LlamaConfig) -> str:
 
 
 def decode_step_traced(model_state, cache: KVCache, tokens, active=None, implementation=None,
-                       pool_slots: bool = True):
+                       pool_slots: bool = True, unroll_layers: bool = True):
     """`decode_step` unjitted, for a program that jits it with more around it (it must pass
-    `DECODE_COMPILER_OPTIONS` to its own jit: a nested jit cannot carry them)."""
+    `DECODE_COMPILER_OPTIONS` to its own jit: a nested jit cannot carry them).
+    `unroll_layers=False` scans the layers instead (`decode_layers`): compiled once, not once
+    per layer, but XLA copies each layer's weights out of the stack (a research setting:
+    benchmarks/research/decode_compile_probe.py)."""
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -85,7 +88,7 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
     with jax.named_scope("decode_step"):
         cos, sin = rope_cos_sin(p[:, None], cfg)
         x = model.embed(tokens[:, None])
-        hidden, cache = model.decode_layers(x, cos, sin, attend, cache, unroll=True)
+        hidden, cache = model.decode_layers(x, cos, sin, attend, cache, unroll=unroll_layers)
         cache = cache.replace(lengths=p + active.astype(p.dtype))
         return model.logits(hidden[:, 0]), cache
 
@@ -98,7 +101,7 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
 DECODE_COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
 
 decode_step = jax.jit(decode_step_traced, donate_argnames=("cache",),
-                      static_argnames=("implementation", "pool_slots"),
+                      static_argnames=("implementation", "pool_slots", "unroll_layers"),
                       compiler_options=dict(DECODE_COMPILER_OPTIONS))
 decode_step.__doc__ = """One token per row through the cache, jitted once, reused for every token:
 `decode_step(model_state, cache, tokens [B], active [B] bool | None) -> (logits [B, V], cache)`.

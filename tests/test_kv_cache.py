@@ -294,6 +294,27 @@ def assert_caches_equal(got: KVCache, want: KVCache, tol=CACHE_TOL) -> float:
     return err
 
 
+def test_scanned_decode_layers_equal_unrolled():
+    """`decode_step(unroll_layers=False)` (the layers scanned: one compiled layer, a research
+    setting for compile time) gives the unrolled step's logits and cache over steps that
+    pool, wrap the ring and skip a finished row."""
+    s = get_setup("cca")
+    state = nnx.split(s.model)
+    cache, _ = s.one_prefill()
+    caches = [jax.tree.map(jnp.asarray, cache) for _ in range(2)]
+    caches = [c.replace(lengths=jnp.asarray([20, 3, 9], jnp.int32)) for c in caches]
+    active = jnp.asarray([True, True, False])
+    for step in range(6):
+        tokens = jnp.asarray(s.ids[:, step])
+        outs = []
+        for n, unroll in enumerate((True, False)):
+            out, caches[n] = decode_step(state, caches[n], tokens, active, pool_slots=True,
+                                         unroll_layers=unroll)
+            outs.append(np.asarray(out))
+        np.testing.assert_allclose(outs[1][:2], outs[0][:2], atol=1e-5, err_msg=str(step))
+    assert_caches_equal(caches[1], caches[0])
+
+
 def test_decode_equals_prefill(setup):
     """SPEC property 6 for a batch of mixed lengths (29, 18 and 24 tokens):
     * prompts of 5, 9 and 0 tokens prefilled in chunks of 4, then the rest token by token

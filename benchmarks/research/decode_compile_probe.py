@@ -1,15 +1,22 @@
 """Where the decode step's compile time goes (the server and `generate` compile two step
-programs: with and without pooling): lower and compile, no run, no weights allocated.
+programs: with and without pooling): lower and compile; no weights allocated unless
+`--steps` asks for step times.
 
     python benchmarks/research/decode_compile_probe.py [--shape llama2-7b] [--batch 16]
-        [--max-len 131072] [--variants base,no_autotune,xla_attention,no_pool]
+        [--max-len 131072] [--variants base,no_autotune,xla_attention,no_pool] [--steps N]
 
-Prints one JSON line per variant: seconds to trace+lower and to compile, and the count of
-Pallas kernels and fusions in the optimised program. Variants:
+Prints one JSON line per variant: seconds to trace+lower and to compile, the count of
+Pallas kernels and fusions in the optimised program, and with `--steps N` the median ms of a
+decode step on random weights (does a variant that compiles faster read weights slower?).
+Variants:
   base           the decode step as `decode_step` compiles it (pool_slots=True)
   no_pool        the step without pooling (the other program)
   no_autotune    base with XLA's GEMM autotuning off (xla_gpu_autotune_level=0)
   xla_attention  base with the XLA decode attention in place of the Pallas kernel
+  scan           base with the layers scanned (`unroll_layers=False`): one compiled layer
+  scan_dsf       scan, with XLA's dynamic-slice fusion on (cuBLAS reading each layer's
+                 weights in place out of the stack instead of a copy, where XLA can)
+A variant that fails to compile prints its error and the probe goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -33,21 +41,46 @@ VARIANTS = {
     "no_pool": dict(pool_slots=False),
     "no_autotune": dict(pool_slots=True, options={"xla_gpu_autotune_level": 0}),
     "xla_attention": dict(pool_slots=True, implementation="xla"),
+    "scan": dict(pool_slots=True, unroll_layers=False),
+    "scan_dsf": dict(pool_slots=True, unroll_layers=False,
+                     options={"xla_gpu_enable_dynamic_slice_fusion": True}),
 }
 
 
-def probe(shape: str, batch: int, max_len: int, name: str) -> dict:
+def model_config(shape: str, max_len: int):
+    from cca_jax.config import LlamaConfig
+    p = PAPER_PATTERNS["cca"]
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len,
+                       attention=dict(kind="cca", group_size=p.group_size,
+                                      window_size=p.window_size, sink_tokens=p.sink_tokens))
+
+
+def step_ms(compiled, real, batch: int, steps: int) -> float:
+    """Median ms of `steps` decode steps of `compiled` on random weights and a fresh cache
+    (`real` = (model_state, config, max_len); every row active from position 0: the step
+    is bound by reading the weights, which is what the layer loop's form changes)."""
+    from cca_jax.kv_cache import init_cache
+    state, cfg, max_len = real
+    cache = init_cache(cfg, batch, max_len)
+    tokens, active = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool)
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        logits, cache = compiled(state, cache, tokens, active)
+        jax.block_until_ready(logits)
+        times.append(1e3 * (time.perf_counter() - start))
+    del cache
+    return round(statistics.median(times[2:]), 3)
+
+
+def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int = 0) -> dict:
     from flax import nnx
 
-    from cca_jax.config import LlamaConfig
     from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_implementation, decode_step_traced
     from cca_jax.kv_cache import cache_shapes
     from cca_jax.model import LlamaForCausalLM
 
-    p = PAPER_PATTERNS["cca"]
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len,
-                      attention=dict(kind="cca", group_size=p.group_size,
-                                     window_size=p.window_size, sink_tokens=p.sink_tokens))
+    cfg = model_config(shape, max_len)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     state = nnx.split(model)
     cache = cache_shapes(cfg, batch, max_len)
@@ -59,17 +92,20 @@ def probe(shape: str, batch: int, max_len: int, name: str) -> dict:
     if jax.default_backend() != "gpu":
         options = {}   # GPU passes' options: other backends reject them
     step = jax.jit(decode_step_traced, donate_argnames=("cache",),
-                   static_argnames=("implementation", "pool_slots"), compiler_options=options)
+                   static_argnames=("implementation", "pool_slots", "unroll_layers"),
+                   compiler_options=options)
     start = time.perf_counter()
     lowered = step.trace(state, cache, tokens, active, implementation=impl,
-                         pool_slots=variant["pool_slots"]).lower()
+                         pool_slots=variant["pool_slots"],
+                         unroll_layers=variant.get("unroll_layers", True)).lower()
     lowered_s = time.perf_counter() - start
     start = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     text = compiled.as_text() or ""
+    timed = dict(step_ms=step_ms(compiled, real, batch, steps)) if steps else {}
     return dict(variant=name, shape=shape, batch=batch, max_len=max_len, implementation=impl,
-                backend=jax.default_backend(), jax=jax.__version__,
+                backend=jax.default_backend(), jax=jax.__version__, **timed,
                 lower_s=round(lowered_s, 2), compile_s=round(compile_s, 2),
                 pallas_kernels=text.count("__gpu$xla.gpu.triton") + text.count("mosaic_gpu"),
                 fusions=text.count(" fusion("))
@@ -81,11 +117,26 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=131072)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=0,
+                    help="also time this many decode steps of each variant on random weights")
     args = ap.parse_args(argv)
-    for name in args.variants.split(","):
+    names = args.variants.split(",")
+    for name in names:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {sorted(VARIANTS)}")
-        print(json.dumps(probe(args.shape, args.batch, args.max_len, name)), flush=True)
+    real = None
+    if args.steps:
+        from flax import nnx
+
+        from cca_jax.model import LlamaForCausalLM
+        cfg = model_config(args.shape, args.max_len)
+        real = (nnx.split(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))), cfg, args.max_len)
+    for name in names:
+        try:
+            record = probe(args.shape, args.batch, args.max_len, name, real, args.steps)
+        except Exception as e:  # noqa: BLE001  (a variant XLA rejects: report, go on)
+            record = dict(variant=name, error=f"{type(e).__name__}: {str(e)[:500]}")
+        print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
