@@ -137,6 +137,12 @@ INTERPRETED = {
     # 72 and 24 entries that no row sees; row 0 wraps, row 1 reads the whole ring.
     "sizes_off_the_tiles": dict(bounds=([65, 0], [10, 70], [21, 5]), ring=70, num_slots=21,
                                 hkv=1, splits=2),
+    # G = 7 (Qwen2-7B's 28 / 4): 8 lanes of 8 slots a step, the spare lane a copy of head 6;
+    # three slot steps, one ring wrap.
+    "seven_heads_per_kv_head": dict(bounds=([40, 5], [20, 7], [20, 17]), hq=7, hkv=1,
+                                    splits=2),
+    # G = 3 (SmolLM2's 9 / 3) on two KV heads: 4 lanes of 16 slots a step.
+    "three_heads_per_kv_head": dict(bounds=([13, 47], [48, 1], [13, 20]), hq=6, hkv=2),
 }
 
 
@@ -200,21 +206,23 @@ def _backend_case(hq, hkv, dtype, seed=0, d=64):
     return (q, k, v, ck, cv, 1, pattern, positions)
 
 
-def test_backend_decode_keeps_unmeasured_head_dims_on_the_triton_kernel(monkeypatch):
-    """D = 96: the Mosaic kernel takes it, but the entry runs the Triton kernel (bit for
-    bit) while JAX has it, since the Mosaic one has not run at D = 96 on the H200; without
-    the Triton lowering, the Mosaic kernel runs it."""
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 96), (6, 2, 64)], ids=["d96", "g3"])
+def test_backend_decode_keeps_unmeasured_shapes_on_the_triton_kernel(monkeypatch, hq, hkv, d):
+    """D = 96, or G = 3 query heads per KV head (spare lanes): the Mosaic kernel takes them,
+    but the entry runs the Triton kernel (bit for bit) while JAX has it, since the Mosaic
+    one has not run them on the H200; without the Triton lowering, the Mosaic kernel runs
+    them."""
     from cca_jax.attention import pallas_gpu
     from cca_jax.attention.pallas_gpu import PALLAS_GPU
     from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
-    args = _backend_case(4, 2, jnp.bfloat16, seed=2, d=96)
-    assert decode_refusal(jnp.bfloat16, 96, 4, 2) is None
+    args = _backend_case(hq, hkv, jnp.bfloat16, seed=2, d=d)
+    assert decode_refusal(jnp.bfloat16, d, hq, hkv) is None
     triton = np.asarray(PALLAS_GPU.decode(*args), np.float32)
     np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*args), np.float32), triton)
     monkeypatch.setattr(pallas_gpu, "triton_lowering_available", lambda: False)
     own = np.asarray(MOSAIC_GPU.decode(*args), np.float32)
     assert not np.array_equal(own, triton)      # another kernel: other rounding
-    assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, 96)
+    assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, d)
 
 
 def test_backend_decode_runs_its_own_kernel_and_borrows_the_triton_one_where_it_refuses(
@@ -282,6 +290,8 @@ def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
     (2, 16, 2, 256, "bfloat16", 4, {}),                          # D = 256: 64-key steps
     (2, 16, 2, 96, "bfloat16", 4, {}),                           # 64-byte swizzle
     (2, 8, 1, 80, "float16", None, {}),                          # 32-byte swizzle
+    (2, 28, 4, 128, "bfloat16", 4, {}),                          # G = 7: 8 lanes
+    (1, 9, 3, 64, "bfloat16", None, dict(block=64)),             # G = 3: 4 lanes
 ])
 def test_lowers_for_cuda(b, hq, hkv, d, dtype, layers, tiling):
     """R = 1040, C = 8192 (the 7B cache at 128K): one Mosaic GPU kernel, no Triton one."""
@@ -359,7 +369,8 @@ def test_input_errors_name_the_fix():
         call(q, k, v, ck, cv, bounds, layer=0)
     with pytest.raises(ValueError, match="shared memory.*lower stages or block"):
         call(q, k, v, ck, cv, bounds, block=256, stages=4)
-    with pytest.raises(ValueError, match=r"block / G must be a multiple of 8\); use block in"):
+    with pytest.raises(ValueError, match=r"block / G must be a multiple of 8, G rounded up "
+                                         r"to 16\); use block in \[128, 256\]"):
         call(*_small(hq=16, hkv=1), block=64)    # G = 16: 4 slots of a head per step
 
 
@@ -373,6 +384,8 @@ def test_decode_refusal_says_why():
     assert "block / G" in decode_refusal(jnp.bfloat16, 256, 32, 2)        # G = 16 at 64
     assert "multiple of Hkv" in decode_refusal(jnp.bfloat16, 128, 12, 8)
     assert "block / G" in decode_refusal(jnp.bfloat16, 128, 32, 1)        # G = 32
+    assert decode_refusal(jnp.bfloat16, 128, 28, 4) is None               # G = 7: 8 lanes
+    assert decode_refusal(jnp.bfloat16, 64, 9, 3) is None                 # G = 3: 4 lanes
     assert "shared memory" in decode_refusal(jnp.bfloat16, 128, 32, 1, block=256)
     assert decode_refusal(jnp.bfloat16, 64, 32, 1, block=256) is None
 
@@ -440,16 +453,16 @@ def test_gpu_matches_float64_and_triton(hkv, tiling):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dtype,d,hkv", [("bfloat16", 128, 2), ("float16", 64, 1),
-                                         ("bfloat16", 256, 2), ("bfloat16", 96, 2),
-                                         ("float16", 80, 1)])
-def test_gpu_small_cache_head_major_slots_model_dtype_out(dtype, d, hkv):
+@pytest.mark.parametrize("dtype,d,hq,hkv", [
+    ("bfloat16", 128, 8, 2), ("float16", 64, 8, 1), ("bfloat16", 256, 8, 2),
+    ("bfloat16", 96, 8, 2), ("float16", 80, 8, 1), ("bfloat16", 128, 14, 2)])
+def test_gpu_small_cache_head_major_slots_model_dtype_out(dtype, d, hq, hkv):
     """Tiny and ragged caches compiled (R = 48 and C = 20 zero-padded up to a block), slots
     `[L, B, Hq, C, D]`, output in the cache dtype; bf16 GQA at D = 128, 256 (64-key steps)
-    and 96, float16 MQA at D = 64 and 80 (G = 8)."""
+    and 96, float16 MQA at D = 64 and 80 (G = 8), and G = 7 (a spare lane)."""
     row_bounds = ([40, 5], [20, 7], [20, 9])
     dtype = jnp.dtype(dtype)
-    q, k, v, ck, cv = _case(2, 8, hkv, d, 48, 20, dtype, 0, layers=2)
+    q, k, v, ck, cv = _case(2, hq, hkv, d, 48, 20, dtype, 0, layers=2)
     raw, slot = contract_masks(row_bounds, 48, 20)
     ref = reference(q, k[1], v[1], ck[1], cv[1], raw, slot)
     ck, cv = (np.swapaxes(x, -3, -2) for x in (ck, cv))
@@ -457,6 +470,7 @@ def test_gpu_small_cache_head_major_slots_model_dtype_out(dtype, d, hkv):
     out = decode_attention_mosaic_gpu(*(jnp.asarray(x, dtype) for x in (q, k, v, ck, cv)),
                                       bounds, layer=1, slot_layout="bhcd", out_dtype=dtype)
     err = row_errors(out, ref).max()
-    print(f"small cache, bhcd, {dtype.name} D={d} G={8 // hkv}: row error vs float64 {err:.2e}")
+    print(f"small cache, bhcd, {dtype.name} D={d} G={hq // hkv}: row error vs float64 "
+          f"{err:.2e}")
     # the output's own rounding to the cache dtype adds up to half an ulp of the row
     assert out.dtype == dtype and err <= 2 * _tol(dtype, d), err

@@ -4,8 +4,8 @@ forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
 one). Its decode step is the Mosaic GPU decode kernel where that kernel takes the cache
 (bfloat16/float16, D 64, 80, 96, 128 or 256, up to 16 query heads per KV head at its
-default block at D <= 128, 8 at D = 256; D other than 64 and 128 only where the Triton
-kernel cannot serve it, until measured) and
+default block at D <= 128, 8 at D = 256; D other than 64 and 128, or a G that is not a
+power of two, only where the Triton kernel cannot serve it, until measured) and
 the Triton decode kernel's (`pallas_gpu`) otherwise: the same function in a float32 softmax,
 so the borrowed entry changes speed, not results (logged once). Forward timings:
 benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
@@ -30,11 +30,17 @@ from cca_jax.blocks import AttentionPattern
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIN_CAPABILITY = 9.0   # wgmma and TMA: sm_90 (Hopper) and later
-# Head dims its kernels have run at on the H200. Others (the 256-wide forward and backward;
-# decode at 80, 96 and 256) are tested in the GPU interpreter and by cross-lowering only, so
-# while JAX has the Triton lowering, `auto` sends those calls to the Triton kernels.
+# Shapes its kernels have run at on the H200. Others (the 256-wide forward and backward;
+# decode at D = 80, 96 and 256, or with spare query-head lanes: G not a power of two) are
+# tested in the GPU interpreter and by cross-lowering only, so while JAX has the Triton
+# lowering, those calls go to the Triton kernels.
 _MEASURED_HEAD_DIM = 128
 _MEASURED_DECODE_HEAD_DIMS = (64, 128)
+
+
+def _decode_measured(head_dim: int, groups: int) -> bool:
+    """Whether the Mosaic decode kernel has run this shape on the H200 (G = Hq / Hkv)."""
+    return head_dim in _MEASURED_DECODE_HEAD_DIMS and groups & (groups - 1) == 0
 
 _log = logging.getLogger(__name__)
 
@@ -119,11 +125,12 @@ class MosaicGpuBackend(Backend):
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
-        reason = decode_refusal(k_all.dtype, q.shape[-1], q.shape[1], k_all.shape[-2])
-        if reason is None and q.shape[-1] not in _MEASURED_DECODE_HEAD_DIMS and \
-                PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, q.shape[-1],
-                                    False, "decode") is None:
-            reason = f"head_dim {q.shape[-1]} has not yet run through it on the H200"
+        d, groups = q.shape[-1], q.shape[1] // k_all.shape[-2]
+        reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
+        if reason is None and not _decode_measured(d, groups) and PALLAS_GPU.supports(
+                pattern, jax.default_backend(), k_all.dtype, d, False, "decode") is None:
+            reason = (f"head_dim {d} with {groups} query heads per KV head has not yet run "
+                      "through it on the H200")
         if reason is not None:
             borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype,
                                            q.shape[-1], False, "decode")

@@ -14,10 +14,14 @@ Built for bandwidth (decode is memory-bound), split over the context like flash-
              `block` key rows and `block` value rows into shared memory by TMA, through a
              ring of `stages` buffers (copies for step i + stages are issued as step i ends):
                ring step  `block` entries of the KV head (one 2-D copy each of K and V);
-               slot step  `block / G` slots of each of the G query heads (G copies each), so
-                          that key row `g * block/G + j` belongs to head g: S = Q K^T on
+               slot step  `block / G'` slots of each of the G query heads (G copies each), so
+                          that key row `g * block/G' + j` belongs to head g: S = Q K^T on
                           wgmma gives every head's scores in its own row, the others masked,
-                          and P V sums only a head's own slots into its row.
+                          and P V sums only a head's own slots into its row. G' = `lanes(G)`
+                          is G rounded up to a power of two (block / G' whole 8-row
+                          tiles); lanes past G hold a copy of the last head's slots (finite
+                          values: a masked score times a non-finite value would still be
+                          NaN) and their rows are dropped.
              So all steps cost the same bytes and one wgmma shape serves both. The row's
              steps (ring blocks, then slot blocks) are shared equally among the splits;
              each program writes its unnormalised partial (acc, running max in log2 units,
@@ -79,8 +83,9 @@ def smem_transforms(head_dim: int, itemsize: int = 2) -> tuple:
 class MosaicDecodeConfig(NamedTuple):
     """Static tiling of the Mosaic GPU decode kernel (hashable).
 
-    block: key rows per pipeline step (the wgmma N and K): ring entries, or `block / G`
-        slots of each of a KV head's G query heads (so `block / G` must be a multiple of 8).
+    block: key rows per pipeline step (the wgmma N and K): ring entries, or `block / G'`
+        slots of each of a KV head's G query heads, G' = G rounded up to a power of two (so
+        `block / G'` must be a multiple of 8: G up to 8, 16 and 32 at blocks 64, 128, 256).
     stages: shared-memory buffers of K and V in flight (>= 2).
     splits: programs per (row, KV head) sharing the row's steps; None: whole waves of
         programs that fill the GPU (`resolve_splits`).
@@ -123,13 +128,20 @@ def decode_config(*, head_dim: int = 128, **fields) -> MosaicDecodeConfig:
     return MosaicDecodeConfig(**fields)
 
 
+def lanes(groups: int) -> int:
+    """Query-head lanes of a program serving G query heads: G rounded up to a power of two,
+    so that a step's `block` key rows split into whole 8-row tiles per lane."""
+    return 1 << (groups - 1).bit_length()
+
+
 def check_shapes(cfg: MosaicDecodeConfig, groups: int, head_dim: int, itemsize: int) -> None:
     """ValueError naming the fix when `cfg` cannot serve G query heads per KV head at D."""
-    if cfg.block % groups or (cfg.block // groups) % 8:
-        ok = [b for b in BLOCKS if b % groups == 0 and (b // groups) % 8 == 0]
+    if cfg.block < 8 * lanes(groups):
+        ok = [b for b in BLOCKS if b >= 8 * lanes(groups)]
         raise ValueError(
             f"block={cfg.block} cannot hold the slots of {groups} query heads per KV head "
-            f"(block / G must be a multiple of 8); use block in {ok}"
+            f"(block / G must be a multiple of 8, G rounded up to {lanes(groups)}); use "
+            f"block in {ok}"
             + ("" if ok else " (none fits: use implementation='pallas_gpu')") + ".")
     need = shared_memory_bytes(cfg, head_dim, itemsize)
     if need > SMEM_LIMIT_BYTES:
@@ -176,7 +188,7 @@ def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int
     (row, KV head) is `batch * kv_heads`), at most the steps of a full row."""
     if cfg.splits is not None:
         return cfg.splits
-    steps = -(-ring // cfg.block) + 1 + -(-num_slots // (cfg.block // groups))
+    steps = -(-ring // cfg.block) + 1 + -(-num_slots // (cfg.block // lanes(groups)))
     programs = batch * kv_heads
     top = max(1, min(steps, -(-8 * slots_at_once // programs)))
     cost = {s: -(-programs * s // slots_at_once) / s for s in range(1, top + 1)}
@@ -229,7 +241,7 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
             cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
     """The pipelined walk over the split's steps: its (acc, max, sum), 64 rows."""
     bk, stages = cfg.block, cfg.stages
-    per_head = bk // groups                                  # slots of one head per step
+    per_head = bk // lanes(groups)                           # slots of one head per step
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
     as_tile, as_rows = _layouts(interpreted)
     # The row's bounds and the layer, clipped into the cache: no copy reads outside it.
@@ -262,8 +274,8 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
         @pl.when(step >= n_ring)
         def _():
             start = jnp.minimum((step - n_ring) * per_head, slot_rows - per_head)
-            for g in range(groups):
-                head = kvh * groups + g
+            for g in range(lanes(groups)):
+                head = kvh * groups + min(g, groups - 1)   # spare lanes: the last head again
                 if cfg.slot_layout == "bchd":
                     rows = (layer, batch, pl.ds(start, per_head), head)
                 else:
@@ -353,7 +365,7 @@ def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_s
         plgpu.SMEM((_ROWS, d), k_ring.dtype, transforms=transforms),       # queries
         plgpu.Barrier(),                                                    # queries landed
         plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),             # ring K, V landed
-        plgpu.Barrier(num_arrivals=2 * groups, num_barriers=cfg.stages),    # slots landed
+        plgpu.Barrier(num_arrivals=2 * lanes(groups), num_barriers=cfg.stages),  # slots
     )
     kernel = functools.partial(
         _kernel, ring=ring, num_slots_cap=num_slots, ring_rows=k_ring.shape[2],
@@ -412,7 +424,7 @@ def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeC
     # slot count that is not whole 8-row TMA tiles (a copy of the cache each step: sizes
     # from `max_len` and `group_size` are normally multiples of 8).
     k_ring, v_ring = (_pad_axis(x, 2, _tile_rows(ring, cfg.block)) for x in (k_ring, v_ring))
-    ck, cv = (_pad_axis(x, slot_axis, _tile_rows(num_slots, cfg.block // groups))
+    ck, cv = (_pad_axis(x, slot_axis, _tile_rows(num_slots, cfg.block // lanes(groups)))
               for x in (ck, cv))
     bounds = [jnp.asarray(x).astype(jnp.int32) for x in bounds]   # no-ops on int32
     layer = jnp.asarray(layer).astype(jnp.int32).reshape(1)
