@@ -85,7 +85,7 @@ def bench_one(name, q, k, v, g, s, n, ct, iters):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impls", default="cca_pallas_gpu,cca_xla,full_cudnn")
+    ap.add_argument("--impls", default="cca_mosaic_gpu,cca_pallas_gpu,cca_xla,full_cudnn")
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--hkv", default="32,8")
     ap.add_argument("--hq", type=int, default=32)
