@@ -577,11 +577,12 @@ def test_gpu_every_backward_tiling_matches_float64(backward_tiling):
 # ---- CPU, slow: the kernel itself under jax's GPU interpreter --------------------------------
 
 @pytest.mark.slow   # 40-60 s each: the interpreter simulates every warpgroup, barrier and copy
-@pytest.mark.parametrize("tiling,packed", [
-    (dict(compute_wgs=1), False),
-    (dict(compute_wgs=2, block_kv=64), True),      # FA3 ping-pong, more steps than stages
+@pytest.mark.parametrize("tiling,packed,d", [
+    (dict(compute_wgs=1), False, 64),
+    (dict(compute_wgs=2, block_kv=64), True, 64),   # FA3 ping-pong, more steps than stages
+    ({}, True, 256),                                # D = 256 at its head-dim defaults
 ])
-def test_interpreted_kernel_matches_float64(tiling, packed):
+def test_interpreted_kernel_matches_float64(tiling, packed, d):
     """The whole kernel (tables, TMA ring, barriers, warpgroup walk, edge masks, one online
     softmax) in the GPU interpreter, against float64, GQA, ragged L. Its two matrix products
     are plain dots there (no transposed wgmma operand, no run_state in the interpreter)."""
@@ -589,7 +590,7 @@ def test_interpreted_kernel_matches_float64(tiling, packed):
     from tests.reference import cca_reference
     from tests.row_errors import row_max_error
     length = 150
-    q, k, v, _ = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=1)
+    q, k, v, _ = _inputs(1, length, 2, 1, d, jnp.bfloat16, seed=1)
     seg = jnp.asarray(_segments(1, length, 2)) if packed else None
     ck, cv, *bounds = slots_and_bounds(q, k, v, blocks.CCA(4, 37), segment_ids=seg)
     out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, interpret=True, **tiling)
