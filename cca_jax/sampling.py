@@ -94,3 +94,4 @@ def _filter_rows(x, top_k, top_p):
     keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
     cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((top_p[:, None] < 1) & (x < cutoff), -jnp.inf, x)
+

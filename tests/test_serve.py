@@ -257,13 +257,90 @@ def test_seeded_sampling_is_reproducible_and_equals_generate(client, model, toke
     assert first == text_of(tokenizer, ids, want)
 
 
+def reference_logprobs(model, prompt_ids, ids):
+    """`[len(ids), V]` float64: the model's log-softmax before each of `ids`, from one full
+    forward of prompt + ids (the server's come from its cache)."""
+    import jax.numpy as jnp
+    logits = np.asarray(model(jnp.asarray([list(prompt_ids) + list(ids)])), np.float64)[0]
+    shifted = logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(ids)]
+    shifted = shifted - shifted.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_the_models_log_softmax(client, model, tokenizer):
+    """completions `logprobs=3` (whole and streamed) and chat `logprobs` with
+    `top_logprobs=2`: each generated token's logprob is the model's log-softmax at its
+    position, the alternatives are the likeliest tokens in order (greedy's token first),
+    the token texts make up the text, and the offsets count them."""
+    prompt = "Once upon a time"
+    ids = tokenizer(prompt)["input_ids"]
+    want = greedy_ids(model, ids, 6)
+    ref = reference_logprobs(model, ids, want)
+    got = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6,
+                                    temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert "".join(lp.tokens) == got.choices[0].text and len(lp.tokens) == len(want)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(want))]
+    for i, token in enumerate(want):
+        assert abs(lp.token_logprobs[i] - ref[i, token]) < 1e-4, i
+        best = np.sort(ref[i])[::-1][:3]
+        top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        np.testing.assert_allclose(top, best[:len(top)], atol=1e-4)
+        assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+    streamed = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6,
+                                              temperature=0, logprobs=3, stream=True))
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [x for p in parts for x in p.text_offset] == lp.text_offset
+    np.testing.assert_allclose([x for p in parts for x in p.token_logprobs],
+                               lp.token_logprobs, atol=1e-6)
+    # sampled: the drawn token's logprob (not the likeliest one's), before temperature
+    from cca_jax.generate import generate
+    drawn = generate(model, [ids], max_new_tokens=5, temperature=1.5, seed=11,
+                     max_len=MAX_LEN)[0]
+    drawn = drawn[:-1] if drawn[-1] == 2 else drawn
+    ref_drawn = reference_logprobs(model, ids, drawn)
+    sampled = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=5,
+                                        temperature=1.5, seed=11, logprobs=0)
+    lps = sampled.choices[0].logprobs
+    assert lps.top_logprobs == [{}] * len(drawn)
+    np.testing.assert_allclose(lps.token_logprobs, ref_drawn[np.arange(len(drawn)), drawn],
+                               atol=1e-4)
+    assert any(ref_drawn[i, t] < ref_drawn[i].max() for i, t in enumerate(drawn))
+
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    want = greedy_ids(model, chat_ids, 5)
+    ref = reference_logprobs(model, chat_ids, want)
+    chat = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert len(content) == len(want) == chat.usage.completion_tokens
+    for i, (e, token) in enumerate(zip(content, want)):
+        assert abs(e.logprob - ref[i, token]) < 1e-4, i
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.bytes == list(e.token.encode("utf-8")) or len(e.bytes) == 1
+    plain = client.chat.completions.create(model="tiny-chat", messages=messages,
+                                           max_tokens=5, temperature=0, logprobs=True)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(want)
+    assert client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5,
+                                          temperature=0).choices[0].logprobs is None
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "logprobs": True}, 400, "logprobs"),
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cca_jax.serve import schemas
 from cca_jax.serve.engine import Engine, EngineStopped, QueueFull
 from cca_jax.serve.engine import Request as EngineRequest
-from cca_jax.serve.text import CompletionText
+from cca_jax.serve.text import CompletionText, TokenStrings
 
 SEED_RANGE = 2**31   # request seeds are taken modulo this (jax.random.PRNGKey's int32 seeds)
 
@@ -58,9 +58,9 @@ class TokenQueue:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
 
-    def __call__(self, token, reason) -> None:   # on the engine thread
+    def __call__(self, token, reason, logprobs=None) -> None:   # on the engine thread
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason, logprobs))
 
     async def get(self):
         return await self.queue.get()
@@ -74,14 +74,20 @@ class Generation:
     tokens: TokenQueue
     text: CompletionText
     prompt_tokens: int
+    strings: TokenStrings | None = None   # set when the request asked for logprobs
     completion_tokens: int = 0
     finish_reason: str | None = None
+    pending: list = dataclasses.field(default_factory=list)   # logprob entries not yet sent
+    text_offset: int = 0
 
     async def pieces(self):
-        """Yield text pieces until the request ends; then `finish_reason` is set."""
+        """Yield text pieces until the request ends; then `finish_reason` is set. With
+        logprobs, each token's entry waits in `pending` (`take_logprobs`)."""
         try:
             while self.finish_reason is None:
-                token, reason = await self.tokens.get()
+                token, reason, logprobs = await self.tokens.get()
+                if token is not None and logprobs is not None and self.strings is not None:
+                    self.pending.append(self._entry(token, logprobs))
                 if token is None:
                     if reason in ("cancelled", "error"):
                         raise APIError(503 if reason == "cancelled" else 500,
@@ -102,6 +108,42 @@ class Generation:
         finally:
             if self.finish_reason is None:
                 self.engine.cancel(self.handle)
+
+    def _entry(self, token: int, logprobs) -> dict:
+        """One token's logprob entry: its text, logprob and bytes, and the alternatives'."""
+        def item(tok, lp):
+            text = self.strings.text(tok)
+            return {"token": text, "logprob": lp, "bytes": self.strings.bytes(tok, text)}
+        entry = item(token, logprobs.logprob)
+        entry["top_logprobs"] = [item(t, lp) for t, lp in zip(logprobs.top_ids,
+                                                              logprobs.top_logprobs)]
+        self.strings.push(token)
+        return entry
+
+    def take_logprobs(self) -> list[dict]:
+        """The logprob entries of the tokens since the last call (in order)."""
+        taken, self.pending = self.pending, []
+        return taken
+
+    def completion_logprobs(self) -> schemas.CompletionLogprobs | None:
+        """`take_logprobs` in the completions format (offsets run on across chunks)."""
+        if self.strings is None:
+            return None
+        out = schemas.CompletionLogprobs()
+        for e in self.take_logprobs():
+            out.tokens.append(e["token"])
+            out.token_logprobs.append(e["logprob"])
+            out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+            out.text_offset.append(self.text_offset)
+            self.text_offset += len(e["token"])
+        return out
+
+    def chat_logprobs(self) -> schemas.ChoiceLogprobs | None:
+        """`take_logprobs` in the chat format."""
+        if self.strings is None:
+            return None
+        return schemas.ChoiceLogprobs(content=[schemas.TokenLogprob(**e)
+                                               for e in self.take_logprobs()])
 
     def usage(self) -> schemas.Usage:
         return schemas.Usage(prompt_tokens=self.prompt_tokens,
@@ -166,12 +208,12 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
                            f"{max_tokens} more. Shorten the prompt or lower max_tokens.",
                            param=param, code="context_length_exceeded")
 
-    def submit(body: schemas.SamplingParams, prompt_ids: list[int], max_tokens: int
-               ) -> Generation:
+    def submit(body: schemas.SamplingParams, prompt_ids: list[int], max_tokens: int,
+               logprobs: int | None = None) -> Generation:
         seed = secrets.randbelow(SEED_RANGE) if body.seed is None else body.seed % SEED_RANGE
         request = EngineRequest(prompt_ids, max_tokens=max_tokens,
                                 temperature=float(body.temperature), top_k=body.top_k or None,
-                                top_p=float(body.top_p), seed=seed)
+                                top_p=float(body.top_p), seed=seed, logprobs=logprobs)
         tokens = TokenQueue(asyncio.get_running_loop())
         try:
             handle = engine.submit(request, tokens)
@@ -185,7 +227,8 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
             raise APIError(400, str(e), param="prompt", code="invalid_value") from None
         return Generation(engine, handle, tokens,
                           CompletionText(tokenizer, prompt_ids, body.stop_strings()),
-                          len(prompt_ids))
+                          len(prompt_ids),
+                          None if logprobs is None else TokenStrings(tokenizer, prompt_ids))
 
     async def collect(gen: Generation, request: Request) -> str:
         """The whole text; a client that goes away cancels the request."""
@@ -249,12 +292,12 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty.", param="prompt", code="invalid_value")
         check_length(prompt_ids, body.max_tokens, "prompt")
-        gen = submit(body, prompt_ids, body.max_tokens)
+        gen = submit(body, prompt_ids, body.max_tokens, logprobs=body.logprobs)
         cid = schemas.new_id("cmpl")
 
         def chunk(piece, finish, usage=None):
-            choices = [] if usage else [schemas.CompletionChoice(text=piece or "",
-                                                                 finish_reason=finish)]
+            choices = [] if usage else [schemas.CompletionChoice(
+                text=piece or "", finish_reason=finish, logprobs=gen.completion_logprobs())]
             return schemas.Completion(id=cid, model=settings.model_name, choices=choices,
                                       usage=usage)
 
@@ -264,7 +307,8 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         text = await collect(gen, request)
         return schemas.Completion(id=cid, model=settings.model_name, usage=gen.usage(),
                                   choices=[schemas.CompletionChoice(
-                                      text=text, finish_reason=gen.finish_reason)])
+                                      text=text, finish_reason=gen.finish_reason,
+                                      logprobs=gen.completion_logprobs())])
 
     def chat_prompt(body: schemas.ChatRequest) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
@@ -296,12 +340,14 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         if max_tokens is None:
             max_tokens = max(max_len - len(prompt_ids), 1)
         check_length(prompt_ids, max_tokens, "messages")
-        gen = submit(body, prompt_ids, max_tokens)
+        gen = submit(body, prompt_ids, max_tokens,
+                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         cid = schemas.new_id("chatcmpl")
 
         def chunk(piece, finish, usage=None, role=None):
             choices = [] if usage else [schemas.ChatChunkChoice(
-                delta=schemas.Delta(role=role, content=piece), finish_reason=finish)]
+                delta=schemas.Delta(role=role, content=piece), finish_reason=finish,
+                logprobs=None if role else gen.chat_logprobs())]
             return schemas.ChatCompletionChunk(id=cid, model=settings.model_name,
                                                choices=choices, usage=usage)
 
@@ -313,6 +359,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         return schemas.ChatCompletion(
             id=cid, model=settings.model_name, usage=gen.usage(),
             choices=[schemas.ChatChoice(message=schemas.AssistantMessage(content=text),
-                                        finish_reason=gen.finish_reason)])
+                                        finish_reason=gen.finish_reason,
+                                        logprobs=gen.chat_logprobs())])
 
     return app

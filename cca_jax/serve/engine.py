@@ -39,6 +39,7 @@ import itertools
 import logging
 import threading
 import time
+import typing
 from typing import Callable
 
 import jax
@@ -53,6 +54,9 @@ from cca_jax.sampling import check_sampling, sample_rows
 from cca_jax.sharding import mesh_context
 
 log = logging.getLogger("cca_jax.serve")
+
+# The most alternatives a request may ask logprobs for (OpenAI's chat limit; completions: 5).
+TOP_LOGPROBS = 20
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # compiled or loaded
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"          # loaded from the disk cache
@@ -111,6 +115,16 @@ class Request:
     top_p: float | None = None
     seed: int = 0
     stop_at_eos: bool = True
+    # None: no logprobs; n >= 0: each token's logprob and the n likeliest alternatives'
+    logprobs: int | None = None
+
+
+class TokenLogprobs(typing.NamedTuple):
+    """A generated token's logprob and the likeliest alternatives (ids, logprobs), as many
+    as its request asked for: the model's log-softmax, before temperature and filters."""
+    logprob: float
+    top_ids: tuple
+    top_logprobs: tuple
 
 
 @dataclasses.dataclass
@@ -129,8 +143,9 @@ class StepTimes:
 
 # on_event(token, None) for every generated token (an end-of-sequence token is not passed),
 # then on_event(None, reason) once: "stop" (end of sequence), "length" (max_tokens),
-# "cancelled" or "error". Called on the engine thread: it must return quickly.
-EventCallback = Callable[[int | None, str | None], None]
+# "cancelled" or "error". For a request with `logprobs`, a token's event carries a third
+# argument, its `TokenLogprobs`. Called on the engine thread: it must return quickly.
+EventCallback = Callable[..., None]
 
 
 @dataclasses.dataclass(eq=False)
@@ -158,10 +173,11 @@ def _reset_rows(cache, rows_mask):
 def _prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
                         top_p):
     """One prefill chunk into cache rows `rows` [P], then each row's first token (its token
-    0) sampled from the logits after its last prompt token. -> (tokens [P], cache)."""
+    0) sampled from the logits after its last prompt token.
+    -> (tokens [P], those logits [P, V] float32, cache)."""
     cache, logits = prefill_chunk(model_state, cache, ids, n_valid, rows=rows)
     first = sample_rows(logits, seeds, jnp.zeros_like(seeds), temperature, top_k, top_p)
-    return first, cache
+    return first, logits, cache
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("pool_slots",),
@@ -169,10 +185,33 @@ def _prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperatu
 def _decode_and_sample(model_state, cache, tokens, active, seeds, steps, temperature, top_k,
                        top_p, *, pool_slots):
     """One decode step of every active row, then its next token (token `steps[b]` of row b).
-    -> (tokens [B], cache)."""
+    -> (tokens [B], the logits they were drawn from [B, V] float32, cache). The logits stay
+    on the device unless a row's request asked for logprobs: no work is added to a step."""
     logits, cache = decode_step_traced(model_state, cache, tokens, active,
                                        pool_slots=pool_slots)
-    return sample_rows(logits, seeds, steps, temperature, top_k, top_p), cache
+    return sample_rows(logits, seeds, steps, temperature, top_k, top_p), logits, cache
+
+
+def _fetch_logits(logits, seqs):
+    """A program's logits on the host, if some row's request asked for logprobs."""
+    if any(s is not None and s.request.logprobs is not None for s in seqs):
+        return np.asarray(logits)
+    return None
+
+
+def _row_logprobs(logits, i: int, token: int, seq) -> TokenLogprobs | None:
+    """Row `i`'s `TokenLogprobs` for its drawn `token` (None if its request asked none):
+    the log-softmax of the row's logits in float64 on the host."""
+    n = seq.request.logprobs
+    if logits is None or n is None:
+        return None
+    row = logits[i].astype(np.float64)
+    row = row - row.max()
+    row = row - np.log(np.exp(row).sum())
+    top = np.argpartition(-row, n)[:n] if 0 < n < row.size else np.arange(min(n, row.size))
+    top = top[np.argsort(-row[top], kind="stable")]
+    return TokenLogprobs(float(row[token]), tuple(int(t) for t in top),
+                         tuple(float(row[t]) for t in top))
 
 
 class Engine:
@@ -237,6 +276,11 @@ class Engine:
                 or request.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {request.max_tokens!r}.")
         check_sampling(request.temperature, request.top_k, request.top_p)
+        n = request.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                              or not 0 <= n <= TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int from 0 to {TOP_LOGPROBS}, "
+                             f"got {n!r}.")
         need = len(prompt) + request.max_tokens
         if need > self.config.max_len:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens "
@@ -410,19 +454,19 @@ class Engine:
 
     def _run_prefill(self, rows, ids, n_valid, seqs):
         with mesh_context(self.mesh):   # activation constraints; part of jit's cache key
-            tokens, self._cache = _prefill_and_sample(self._model_state, self._cache, rows,
-                                                      ids, n_valid, *self._settings(seqs))
-        return np.asarray(tokens)
+            tokens, logits, self._cache = _prefill_and_sample(
+                self._model_state, self._cache, rows, ids, n_valid, *self._settings(seqs))
+        return np.asarray(tokens), _fetch_logits(logits, seqs)
 
     def _run_decode(self, active, seqs, pool):
         tokens = np.array([s.last_token if s is not None else 0 for s in seqs], np.int32)
         steps = np.array([s.generated if s is not None else 0 for s in seqs], np.int32)
         seeds, temperature, top_k, top_p = self._settings(seqs)
         with mesh_context(self.mesh):
-            out, self._cache = _decode_and_sample(self._model_state, self._cache, tokens,
-                                                  active, seeds, steps, temperature, top_k,
-                                                  top_p, pool_slots=pool)
-        return np.asarray(out)
+            out, logits, self._cache = _decode_and_sample(
+                self._model_state, self._cache, tokens, active, seeds, steps, temperature,
+                top_k, top_p, pool_slots=pool)
+        return np.asarray(out), _fetch_logits(logits, seqs)
 
     def _prefill_once(self) -> None:
         pending = sorted((s for s in self._rows if s is not None
@@ -451,13 +495,14 @@ class Engine:
             n_valid[i] = len(part)
             seqs[i] = seq
         begin = time.perf_counter()
-        tokens = self._run_prefill(rows, ids, n_valid, seqs)
+        tokens, logits = self._run_prefill(rows, ids, n_valid, seqs)
         self._count(prefill_chunks=1, prefill_tokens=int(n_valid.sum()),
                     prefill_seconds=time.perf_counter() - begin)
         for i, seq in zip(slots, batch):
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
-                self._take_token(seq, int(tokens[i]))
+                self._take_token(seq, int(tokens[i]),
+                                 _row_logprobs(logits, i, int(tokens[i]), seq))
 
     def _decode_once(self) -> None:
         seqs = [s if s is not None and s.prefilled == len(s.request.prompt) else None
@@ -470,19 +515,21 @@ class Engine:
         pool = bool(self._cache.num_slots and blocks.completes_slot(
             self._pattern, positions, self._cache.num_slots).any())
         begin = time.perf_counter()
-        tokens = self._run_decode(active, seqs, pool)
+        tokens, logits = self._run_decode(active, seqs, pool)
         self._count(decode_steps=1, decode_tokens=int(active.sum()),
                     decode_seconds=time.perf_counter() - begin)
         for row in np.flatnonzero(active):
-            self._take_token(seqs[row], int(tokens[row]))
+            self._take_token(seqs[row], int(tokens[row]),
+                             _row_logprobs(logits, row, int(tokens[row]), seqs[row]))
 
     def _count(self, **amounts) -> None:
         with self._cond:   # stats() reads them from other threads
             for name, amount in amounts.items():
                 setattr(self.step_times, name, getattr(self.step_times, name) + amount)
 
-    def _take_token(self, seq: Sequence, token: int) -> None:
-        """A row's newly sampled token: pass it on, or end the row."""
+    def _take_token(self, seq: Sequence, token: int, logprobs=None) -> None:
+        """A row's newly sampled token (with its `TokenLogprobs` if the request asked): pass
+        it on, or end the row."""
         seq.generated += 1
         seq.last_token = token
         if seq.cancelled:
@@ -490,7 +537,7 @@ class Engine:
         elif seq.request.stop_at_eos and token in self.eos:
             self._finish(seq, "stop")
         else:
-            self._notify(seq, token, None)
+            self._notify(seq, token, None, logprobs)
             if seq.generated >= seq.request.max_tokens:
                 self._finish(seq, "length")
 
@@ -503,9 +550,12 @@ class Engine:
         self.finished[reason] += 1
         self._notify(seq, None, reason)
 
-    def _notify(self, seq: Sequence, token, reason) -> None:
+    def _notify(self, seq: Sequence, token, reason, logprobs=None) -> None:
         try:
-            seq.on_event(token, reason)
+            if logprobs is None:
+                seq.on_event(token, reason)
+            else:
+                seq.on_event(token, reason, logprobs)
         except Exception:  # noqa: BLE001  (a listener's failure must not stop the engine)
             log.exception("request %d: its event listener failed", seq.number)
 

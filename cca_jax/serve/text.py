@@ -55,3 +55,35 @@ class CompletionText:
         self.sent = max(self.sent, end)
         self.output += piece
         return piece
+
+
+class TokenStrings:
+    """Each generated token's own text, for logprobs: what it adds to the text decoded after
+    the few ids before it (so SentencePiece's leading spaces come out right), and its bytes
+    (a byte-fallback token `<0xNN>` is that one byte; its text alone is U+FFFD)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-TextDecoder.CONTEXT:])
+        self._prefix = self._decode(self.context)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text(self, token: int) -> str:
+        """`token`'s text if it came next (the context unchanged: alternatives too)."""
+        full = self._decode(self.context + [int(token)])
+        return full[len(self._prefix):] if full.startswith(self._prefix) else \
+            self._decode([int(token)])
+
+    def bytes(self, token: int, text: str) -> list[int]:
+        piece = self.tokenizer.convert_ids_to_tokens(int(token))
+        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") \
+                and piece.endswith(">"):
+            return [int(piece[3:5], 16)]
+        return list(text.encode("utf-8"))
+
+    def push(self, token: int) -> None:
+        """`token` was generated: it joins the context of the next ones."""
+        self.context = (self.context + [int(token)])[-TextDecoder.CONTEXT:]
+        self._prefix = self._decode(self.context)
