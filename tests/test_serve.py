@@ -331,10 +331,53 @@ def test_logprobs_are_the_models_log_softmax(client, model, tokenizer):
                                           temperature=0).choices[0].logprobs is None
 
 
+def test_n_choices_sample_with_consecutive_seeds(client, model, tokenizer):
+    """`n = 3` with `seed = 5`: choice i is what `generate(seed=5 + i)` gives, whole and
+    streamed (chunks of the choices interleaved, each ending with its own finish reason);
+    usage counts the prompt once and every choice's tokens; chat's choices too."""
+    from cca_jax.generate import generate
+    prompt = "A dog"
+    ids = tokenizer(prompt)["input_ids"]
+    wants = []
+    for i in range(3):
+        want = generate(model, [ids], max_new_tokens=6, temperature=1.0, seed=5 + i,
+                        max_len=MAX_LEN)[0]
+        wants.append(want[:-1] if want[-1] == 2 else want)
+    got = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6,
+                                    temperature=1.0, seed=5, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [text_of(tokenizer, ids, w) for w in wants]
+    assert len({c.text for c in got.choices}) > 1
+    assert got.usage.prompt_tokens == len(ids)
+    assert got.usage.completion_tokens == sum(len(w) for w in wants)
+    chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6,
+                                            temperature=1.0, seed=5, n=3, stream=True,
+                                            logprobs=1))
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == got.choices[i].text
+        assert [c.finish_reason for c in mine].count(None) == len(mine) - 1
+        assert mine[-1].finish_reason is not None
+        assert "".join(t for c in mine for t in c.logprobs.tokens) == got.choices[i].text
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4,
+                                          temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content   # greedy
+    parts = list(client.chat.completions.create(model="tiny-chat", messages=messages,
+                                                max_tokens=4, temperature=0, n=2,
+                                                stream=True))
+    for i in range(2):
+        mine = [p.choices[0] for p in parts if p.choices and p.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(p.delta.content or "" for p in mine) == chat.choices[i].message.content
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
@@ -378,7 +421,7 @@ def test_bad_json_and_unknown_route(server):
 
 def test_openai_client_raises_on_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny-chat", prompt="x", n=3)
+        client.completions.create(model="tiny-chat", prompt="x", n=17)
     assert info.value.body["param"] == "n"
 
 
@@ -418,17 +461,19 @@ def test_prompts_prefill_in_small_chunks_only_while_rows_decode(server, model, t
         EngineConfig(chunk_size=16, decode_chunk_size=32).check()
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
-    before = server.health()["finished"].get("cancelled", 0)
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_disconnects_mid_stream_frees_its_row(server, n):
+    """A streaming client that goes away frees its row (its `n` rows)."""
+    before = wait_idle(server)["finished"].get("cancelled", 0)
     body = {"model": "tiny-chat", "prompt": [1], "max_tokens": MAX_LEN - 1, "temperature": 0,
-            "stream": True}
+            "stream": True, "n": n}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
-        assert got and server.health()["rows_busy"] == 1
+        assert got and server.health()["rows_busy"] == n
     h = wait_idle(server)
     assert h["rows_busy"] == 0, h
-    assert h["finished"].get("cancelled", 0) == before + 1, h
+    assert h["finished"].get("cancelled", 0) == before + n, h
 
 
 @pytest.mark.long

@@ -125,12 +125,13 @@ class Generation:
         taken, self.pending = self.pending, []
         return taken
 
-    def completion_logprobs(self) -> schemas.CompletionLogprobs | None:
-        """`take_logprobs` in the completions format (offsets run on across chunks)."""
+    def completion_logprobs(self, entries: list[dict]) -> schemas.CompletionLogprobs | None:
+        """Entries (`take_logprobs`) in the completions format (offsets run on across
+        chunks); None without logprobs."""
         if self.strings is None:
             return None
         out = schemas.CompletionLogprobs()
-        for e in self.take_logprobs():
+        for e in entries:
             out.tokens.append(e["token"])
             out.token_logprobs.append(e["logprob"])
             out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
@@ -138,17 +139,18 @@ class Generation:
             self.text_offset += len(e["token"])
         return out
 
-    def chat_logprobs(self) -> schemas.ChoiceLogprobs | None:
-        """`take_logprobs` in the chat format."""
+    def chat_logprobs(self, entries: list[dict]) -> schemas.ChoiceLogprobs | None:
+        """Entries (`take_logprobs`) in the chat format; None without logprobs."""
         if self.strings is None:
             return None
-        return schemas.ChoiceLogprobs(content=[schemas.TokenLogprob(**e)
-                                               for e in self.take_logprobs()])
+        return schemas.ChoiceLogprobs(content=[schemas.TokenLogprob(**e) for e in entries])
 
-    def usage(self) -> schemas.Usage:
-        return schemas.Usage(prompt_tokens=self.prompt_tokens,
-                             completion_tokens=self.completion_tokens,
-                             total_tokens=self.prompt_tokens + self.completion_tokens)
+
+def usage(gens: list[Generation]) -> schemas.Usage:
+    """A request's usage: its prompt once, the tokens of all its choices."""
+    prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
+    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)
 
 
 def _sse(obj) -> str:
@@ -209,8 +211,23 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
                            param=param, code="context_length_exceeded")
 
     def submit(body: schemas.SamplingParams, prompt_ids: list[int], max_tokens: int,
-               logprobs: int | None = None) -> Generation:
-        seed = secrets.randbelow(SEED_RANGE) if body.seed is None else body.seed % SEED_RANGE
+               logprobs: int | None = None) -> list[Generation]:
+        """The request's `n` choices, queued; choice i samples with seed + i. If one cannot
+        be queued, those already queued are cancelled."""
+        base = secrets.randbelow(SEED_RANGE) if body.seed is None else body.seed
+        gens = []
+        try:
+            for i in range(body.n):
+                gens.append(submit_one(body, prompt_ids, max_tokens, (base + i) % SEED_RANGE,
+                                       logprobs))
+        except APIError:
+            for gen in gens:
+                engine.cancel(gen.handle)
+            raise
+        return gens
+
+    def submit_one(body: schemas.SamplingParams, prompt_ids: list[int], max_tokens: int,
+                   seed: int, logprobs: int | None) -> Generation:
         request = EngineRequest(prompt_ids, max_tokens=max_tokens,
                                 temperature=float(body.temperature), top_k=body.top_k or None,
                                 top_p=float(body.top_p), seed=seed, logprobs=logprobs)
@@ -230,33 +247,65 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
                           len(prompt_ids),
                           None if logprobs is None else TokenStrings(tokenizer, prompt_ids))
 
-    async def collect(gen: Generation, request: Request) -> str:
-        """The whole text; a client that goes away cancels the request."""
+    def cancel_all(gens: list[Generation]) -> None:
+        for gen in gens:
+            engine.cancel(gen.handle)
+
+    async def collect(gens: list[Generation], request: Request) -> list[str]:
+        """Each choice's whole text; a client that goes away cancels them all."""
         async def watch():
             while not await request.is_disconnected():
                 await asyncio.sleep(0.1)
-            engine.cancel(gen.handle)
+            cancel_all(gens)
+
+        async def text(gen):
+            return "".join([piece async for piece in gen.pieces()])
 
         watcher = asyncio.create_task(watch())
         try:
-            return "".join([piece async for piece in gen.pieces()])
+            return await asyncio.gather(*(text(gen) for gen in gens))
+        except BaseException:
+            cancel_all(gens)
+            raise
         finally:
             watcher.cancel()
 
-    async def stream(gen: Generation, chunk, first=None, include_usage=False):
-        """Server-sent events: `first` (if any), `chunk(piece, None)` per piece, the final
-        `chunk("", finish_reason)`, the usage chunk if asked, then [DONE]."""
+    async def stream(gens: list[Generation], chunk, first=None, include_usage=False):
+        """Server-sent events: `first(i)` per choice (if given), `chunk(i, piece, None,
+        entries)` per piece of choice i as it comes (`entries`: its tokens' logprobs), the
+        final `chunk(i, None, finish_reason, entries)` of each, the usage chunk if asked,
+        then [DONE]. A client that goes away cancels every choice."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for piece in gen.pieces():
+                    await events.put((i, piece, None, gen.take_logprobs()))
+                await events.put((i, None, gen.finish_reason, gen.take_logprobs()))
+            except APIError as e:
+                await events.put((i, e, "error", []))
+
+        pumps = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
         try:
             if first is not None:
-                yield _sse(first)
-            async for piece in gen.pieces():
-                yield _sse(chunk(piece, None))
-            yield _sse(chunk(None, gen.finish_reason))
+                for i in range(len(gens)):
+                    yield _sse(first(i))
+            for _ in range(len(gens)):
+                while True:
+                    i, piece, finish, entries = await events.get()
+                    if finish == "error":
+                        raise piece
+                    yield _sse(chunk(i, piece, finish, entries))
+                    if finish is not None:
+                        break
             if include_usage:
-                yield _sse(chunk(None, None, usage=gen.usage()))
+                yield _sse(chunk(0, None, None, [], usage=usage(gens)))
         except APIError as e:
             yield _sse(schemas.ErrorResponse(error=schemas.ErrorBody(
                 message=str(e), type=e.type, param=e.param, code=e.code)))
+        finally:
+            for task in pumps:   # their generators cancel the requests still running
+                task.cancel()
         yield "data: [DONE]\n\n"
 
     def streaming(events) -> StreamingResponse:
@@ -292,23 +341,26 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty.", param="prompt", code="invalid_value")
         check_length(prompt_ids, body.max_tokens, "prompt")
-        gen = submit(body, prompt_ids, body.max_tokens, logprobs=body.logprobs)
+        gens = submit(body, prompt_ids, body.max_tokens, logprobs=body.logprobs)
         cid = schemas.new_id("cmpl")
 
-        def chunk(piece, finish, usage=None):
-            choices = [] if usage else [schemas.CompletionChoice(
-                text=piece or "", finish_reason=finish, logprobs=gen.completion_logprobs())]
+        def choice(i, text, finish, entries):
+            return schemas.CompletionChoice(index=i, text=text or "", finish_reason=finish,
+                                            logprobs=gens[i].completion_logprobs(entries))
+
+        def chunk(i, piece, finish, entries, usage=None):
+            choices = [] if usage else [choice(i, piece, finish, entries)]
             return schemas.Completion(id=cid, model=settings.model_name, choices=choices,
                                       usage=usage)
 
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return streaming(stream(gen, chunk, include_usage=usage))
-        text = await collect(gen, request)
-        return schemas.Completion(id=cid, model=settings.model_name, usage=gen.usage(),
-                                  choices=[schemas.CompletionChoice(
-                                      text=text, finish_reason=gen.finish_reason,
-                                      logprobs=gen.completion_logprobs())])
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return streaming(stream(gens, chunk, include_usage=include))
+        texts = await collect(gens, request)
+        return schemas.Completion(id=cid, model=settings.model_name, usage=usage(gens),
+                                  choices=[choice(i, text, gen.finish_reason,
+                                                  gen.take_logprobs())
+                                           for i, (gen, text) in enumerate(zip(gens, texts))])
 
     def chat_prompt(body: schemas.ChatRequest) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
@@ -340,26 +392,27 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         if max_tokens is None:
             max_tokens = max(max_len - len(prompt_ids), 1)
         check_length(prompt_ids, max_tokens, "messages")
-        gen = submit(body, prompt_ids, max_tokens,
-                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        gens = submit(body, prompt_ids, max_tokens,
+                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         cid = schemas.new_id("chatcmpl")
 
-        def chunk(piece, finish, usage=None, role=None):
+        def chunk(i, piece, finish, entries, usage=None, role=None):
             choices = [] if usage else [schemas.ChatChunkChoice(
-                delta=schemas.Delta(role=role, content=piece), finish_reason=finish,
-                logprobs=None if role else gen.chat_logprobs())]
+                index=i, delta=schemas.Delta(role=role, content=piece), finish_reason=finish,
+                logprobs=None if role else gens[i].chat_logprobs(entries))]
             return schemas.ChatCompletionChunk(id=cid, model=settings.model_name,
                                                choices=choices, usage=usage)
 
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return streaming(stream(gen, chunk, first=chunk("", None, role="assistant"),
-                                    include_usage=usage))
-        text = await collect(gen, request)
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return streaming(stream(gens, chunk, include_usage=include,
+                                    first=lambda i: chunk(i, "", None, [], role="assistant")))
+        texts = await collect(gens, request)
         return schemas.ChatCompletion(
-            id=cid, model=settings.model_name, usage=gen.usage(),
-            choices=[schemas.ChatChoice(message=schemas.AssistantMessage(content=text),
+            id=cid, model=settings.model_name, usage=usage(gens),
+            choices=[schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=text),
                                         finish_reason=gen.finish_reason,
-                                        logprobs=gen.chat_logprobs())])
+                                        logprobs=gen.chat_logprobs(gen.take_logprobs()))
+                     for i, (gen, text) in enumerate(zip(gens, texts))])
 
     return app

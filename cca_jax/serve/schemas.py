@@ -29,7 +29,7 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=16)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -41,8 +41,6 @@ class SamplingParams(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a parameter set to something this server cannot do."""
-        if self.n != 1:
-            return "n", "n > 1 is not supported: send one request per completion."
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 return name, f"{name} is not supported (leave it at 0)."
