@@ -1,7 +1,8 @@
 """The HTTP routes (FastAPI): OpenAI's completions, chat completions and models endpoints, and
 a health check, on top of an `Engine`.
 
-Every request is checked and tokenized here, then queued in the engine; its tokens come back
+Every request is checked and tokenized here, then queued in the engine (one engine request
+per choice when `n` > 1); its tokens (and, if asked, their logprobs) come back
 through an asyncio queue (the engine thread hands them over with `call_soon_threadsafe`),
 are detokenized and checked for stop strings (`text.CompletionText`), and go out as one JSON
 body or as server-sent events. A stop string, a client that disconnects, or a request task
@@ -221,8 +222,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
                 gens.append(submit_one(body, prompt_ids, max_tokens, (base + i) % SEED_RANGE,
                                        logprobs))
         except APIError:
-            for gen in gens:
-                engine.cancel(gen.handle)
+            cancel_all(gens)
             raise
         return gens
 
