@@ -267,11 +267,13 @@ def reference_logprobs(model, prompt_ids, ids):
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def test_logprobs_are_the_models_log_softmax(client, model, tokenizer):
+def test_logprobs_are_the_models_log_softmax(server, client, model, tokenizer):
     """completions `logprobs=3` (whole and streamed) and chat `logprobs` with
     `top_logprobs=2`: each generated token's logprob is the model's log-softmax at its
     position, the alternatives are the likeliest tokens in order (greedy's token first),
-    the token texts make up the text, and the offsets count them."""
+    the token texts make up the text, and the offsets count them. Nothing compiles: the
+    logprob programs are compiled before ready too."""
+    compiled = server.health()["compilations_since_ready"]
     prompt = "Once upon a time"
     ids = tokenizer(prompt)["input_ids"]
     want = greedy_ids(model, ids, 6)
@@ -329,6 +331,7 @@ def test_logprobs_are_the_models_log_softmax(client, model, tokenizer):
     assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(want)
     assert client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5,
                                           temperature=0).choices[0].logprobs is None
+    assert server.health()["compilations_since_ready"] == compiled
 
 
 def test_n_choices_sample_with_consecutive_seeds(client, model, tokenizer):

@@ -192,26 +192,33 @@ def _decode_and_sample(model_state, cache, tokens, active, seeds, steps, tempera
     return sample_rows(logits, seeds, steps, temperature, top_k, top_p), logits, cache
 
 
-def _fetch_logits(logits, seqs):
-    """A program's logits on the host, if some row's request asked for logprobs."""
-    if any(s is not None and s.request.logprobs is not None for s in seqs):
-        return np.asarray(logits)
+@jax.jit
+def _token_logprobs(logits, tokens):
+    """(logprob of `tokens` [N], the `TOP_LOGPROBS` likeliest ids [N, k], their logprobs
+    [N, k]): the log-softmax of the raw float32 logits (before temperature and filters, as
+    OpenAI reports them). Run only after a program some row asked logprobs of."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+    return chosen, top_ids, top_lp
+
+
+def _fetch_logprobs(logits, tokens, seqs, force: bool = False):
+    """`_token_logprobs` on the host, if some row's request asked for logprobs (or `force`:
+    the warm-up compiles it), else None."""
+    if force or any(s is not None and s.request.logprobs is not None for s in seqs):
+        return jax.device_get(_token_logprobs(logits, tokens))
     return None
 
 
-def _row_logprobs(logits, i: int, token: int, seq) -> TokenLogprobs | None:
-    """Row `i`'s `TokenLogprobs` for its drawn `token` (None if its request asked none):
-    the log-softmax of the row's logits in float64 on the host."""
+def _row_logprobs(logprobs, i: int, seq) -> TokenLogprobs | None:
+    """Row `i`'s `TokenLogprobs`, cut to what its request asked for (None if none)."""
     n = seq.request.logprobs
-    if logits is None or n is None:
+    if logprobs is None or n is None:
         return None
-    row = logits[i].astype(np.float64)
-    row = row - row.max()
-    row = row - np.log(np.exp(row).sum())
-    top = np.argpartition(-row, n)[:n] if 0 < n < row.size else np.arange(min(n, row.size))
-    top = top[np.argsort(-row[top], kind="stable")]
-    return TokenLogprobs(float(row[token]), tuple(int(t) for t in top),
-                         tuple(float(row[t]) for t in top))
+    chosen, ids, lps = logprobs
+    return TokenLogprobs(float(chosen[i]), tuple(int(t) for t in ids[i, :n]),
+                         tuple(float(x) for x in lps[i, :n]))
 
 
 class Engine:
@@ -391,9 +398,9 @@ class Engine:
         rows = None if p == b else np.arange(p, dtype=np.int32)
         for chunk in self.config.chunk_sizes:
             self._run_prefill(rows, np.zeros((p, chunk), np.int32), np.zeros(p, np.int32),
-                              [None] * p)
+                              [None] * p, warm_up=True)
         for pool in self._pool_programs():
-            self._run_decode(np.zeros(b, bool), [None] * b, pool)
+            self._run_decode(np.zeros(b, bool), [None] * b, pool, warm_up=True)
 
     def _pool_programs(self) -> list[bool]:
         """The decode programs this cache can need: without pooling, and with it if some
@@ -452,13 +459,14 @@ class Engine:
                          np.float32)
         return seeds, temperature, top_k, top_p
 
-    def _run_prefill(self, rows, ids, n_valid, seqs):
+    def _run_prefill(self, rows, ids, n_valid, seqs, warm_up: bool = False):
         with mesh_context(self.mesh):   # activation constraints; part of jit's cache key
             tokens, logits, self._cache = _prefill_and_sample(
                 self._model_state, self._cache, rows, ids, n_valid, *self._settings(seqs))
-        return np.asarray(tokens), _fetch_logits(logits, seqs)
+            logprobs = _fetch_logprobs(logits, tokens, seqs, force=warm_up)
+        return np.asarray(tokens), logprobs
 
-    def _run_decode(self, active, seqs, pool):
+    def _run_decode(self, active, seqs, pool, warm_up: bool = False):
         tokens = np.array([s.last_token if s is not None else 0 for s in seqs], np.int32)
         steps = np.array([s.generated if s is not None else 0 for s in seqs], np.int32)
         seeds, temperature, top_k, top_p = self._settings(seqs)
@@ -466,7 +474,8 @@ class Engine:
             out, logits, self._cache = _decode_and_sample(
                 self._model_state, self._cache, tokens, active, seeds, steps, temperature,
                 top_k, top_p, pool_slots=pool)
-        return np.asarray(out), _fetch_logits(logits, seqs)
+            logprobs = _fetch_logprobs(logits, out, seqs, force=warm_up)
+        return np.asarray(out), logprobs
 
     def _prefill_once(self) -> None:
         pending = sorted((s for s in self._rows if s is not None
@@ -495,14 +504,13 @@ class Engine:
             n_valid[i] = len(part)
             seqs[i] = seq
         begin = time.perf_counter()
-        tokens, logits = self._run_prefill(rows, ids, n_valid, seqs)
+        tokens, logprobs = self._run_prefill(rows, ids, n_valid, seqs)
         self._count(prefill_chunks=1, prefill_tokens=int(n_valid.sum()),
                     prefill_seconds=time.perf_counter() - begin)
         for i, seq in zip(slots, batch):
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
-                self._take_token(seq, int(tokens[i]),
-                                 _row_logprobs(logits, i, int(tokens[i]), seq))
+                self._take_token(seq, int(tokens[i]), _row_logprobs(logprobs, i, seq))
 
     def _decode_once(self) -> None:
         seqs = [s if s is not None and s.prefilled == len(s.request.prompt) else None
@@ -515,12 +523,12 @@ class Engine:
         pool = bool(self._cache.num_slots and blocks.completes_slot(
             self._pattern, positions, self._cache.num_slots).any())
         begin = time.perf_counter()
-        tokens, logits = self._run_decode(active, seqs, pool)
+        tokens, logprobs = self._run_decode(active, seqs, pool)
         self._count(decode_steps=1, decode_tokens=int(active.sum()),
                     decode_seconds=time.perf_counter() - begin)
         for row in np.flatnonzero(active):
             self._take_token(seqs[row], int(tokens[row]),
-                             _row_logprobs(logits, row, int(tokens[row]), seqs[row]))
+                             _row_logprobs(logprobs, row, seqs[row]))
 
     def _count(self, **amounts) -> None:
         with self._cond:   # stats() reads them from other threads
