@@ -127,13 +127,12 @@ class MosaicGpuBackend(Backend):
         from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
         d, groups = q.shape[-1], q.shape[1] // k_all.shape[-2]
         reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
-        if reason is None and not _decode_measured(d, groups) and PALLAS_GPU.supports(
-                pattern, jax.default_backend(), k_all.dtype, d, False, "decode") is None:
+        borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, d, False,
+                                       "decode")
+        if reason is None and not _decode_measured(d, groups) and borrowed is None:
             reason = (f"head_dim {d} with {groups} query heads per KV head has not yet run "
                       "through it on the H200")
         if reason is not None:
-            borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype,
-                                           q.shape[-1], False, "decode")
             if borrowed is not None:
                 raise ValueError(
                     f"implementation='mosaic_gpu' cannot decode this cache: its decode kernel "
