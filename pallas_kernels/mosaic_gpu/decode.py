@@ -50,11 +50,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from cca_jax.blocks import DecodeBounds
 from pallas_kernels.mosaic_gpu.interpret import interpret_params
+from pallas_kernels.mosaic_gpu.pipeline import smem_transforms
 from pallas_kernels.shapes import check_decode_inputs
 
 # The cache is read in place at the model's D, so each D needs its own shared-memory tiles:
 # rows of 128 bytes or a multiple (64, 128, 256 in 16-bit) take the 128-byte swizzle, 96 the
-# 64-byte one and 80 the 32-byte one (`smem_transforms`).
+# 64-byte one and 80 the 32-byte one (`pipeline.smem_transforms`).
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCKS = (64, 128, 256)    # the value product's K: a multiple of 64 (128-byte swizzle)
 # At D = 256 the default 128-key steps' K/V buffers alone are 256 KiB: 64-key steps there.
@@ -66,18 +67,6 @@ _ROWS = 64                        # wgmma's M: the query heads of a KV head, zer
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30                 # running max of a program that saw nothing
 _H200_SMS = 132                   # SMs assumed where no GPU is attached (cross-lowering)
-
-
-def smem_transforms(head_dim: int, itemsize: int = 2) -> tuple:
-    """The shared-memory tiling and swizzle of `[rows, head_dim]` tiles: the widest swizzle
-    (128, 64 or 32 bytes) that divides a row, in tiles of 8 rows by one swizzle width."""
-    row = head_dim * itemsize
-    swizzle = next((w for w in (128, 64, 32) if row % w == 0), None)
-    if swizzle is None:
-        raise ValueError(f"rows of {row} bytes (head_dim={head_dim}) are not a multiple of 32 "
-                         "bytes: no shared-memory swizzle fits; use implementation='pallas_gpu' "
-                         "or 'xla'.")
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 class MosaicDecodeConfig(NamedTuple):

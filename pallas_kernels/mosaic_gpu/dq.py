@@ -131,7 +131,7 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
     interpreter's params (products there are plain dots, `pipeline`)."""
     b, lp, hq, d = q.shape
     wgs, stages = cfg.compute_wgs, cfg.stages
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
 
     def tiles(n, rows):
         return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)

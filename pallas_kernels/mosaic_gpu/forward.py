@@ -248,7 +248,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     b, lp, hq, d = q.shape
     scale = 1.0 / math.sqrt(cfg.softmax_head_dim or d)
     wgs, stages = cfg.compute_wgs, cfg.stages
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
 
     def tiles(n, rows):
         return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)

@@ -163,7 +163,7 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
     b, lp, hq, d = q.shape
     heads = keys.shape[2]
     wgs, stages = cfg.compute_wgs, cfg.stages
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
 
     def tiles(n, rows):
         return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)

@@ -1,7 +1,7 @@
-"""Pieces the Mosaic GPU kernels share: layout casts, the two kinds of matrix product (wgmma
-on the GPU, plain dots under the GPU interpreter), the producer's ring of shared-memory
-buffers, the split block walk of the consumers, and the row-bounds masks of a score tile
-(the forward uses the masks too).
+"""Pieces the Mosaic GPU kernels share: the swizzle of shared-memory tiles, layout casts,
+the two kinds of matrix product (wgmma on the GPU, plain dots under the GPU interpreter),
+the producer's ring of shared-memory buffers, the split block walk of the consumers, and
+the row-bounds masks of a score tile (the forward uses the masks too).
 
 Every backward kernel is one CTA of `compute_wgs` consumer warpgroups and one producer
 warpgroup (the last). The producer TMA-copies each step's operands into ring slot
@@ -21,6 +21,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # FA3's register split when two consumers share an SM with the producer.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
+
+
+def smem_transforms(head_dim: int, itemsize: int = 2) -> tuple:
+    """The shared-memory tiling and swizzle of `[rows, head_dim]` tiles: the widest swizzle
+    (128, 64 or 32 bytes) that divides a row, in tiles of 8 rows by one swizzle width."""
+    row = head_dim * itemsize
+    swizzle = next((w for w in (128, 64, 32) if row % w == 0), None)
+    if swizzle is None:
+        raise ValueError(f"rows of {row} bytes (head_dim={head_dim}) are not a multiple of 32 "
+                         "bytes: no shared-memory swizzle fits; use implementation='pallas_gpu' "
+                         "or 'xla'.")
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def layouts(interpreted: bool):
