@@ -2,12 +2,13 @@
 forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator).
 
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
-one). Its decode step is the Mosaic GPU decode kernel where that kernel takes the cache
-(bfloat16/float16, D 64, 80, 96, 128 or 256, up to 16 query heads per KV head at its
-default block at D <= 128, 8 at D = 256; D other than 64 and 128, or a G that is not a
-power of two, only where the Triton kernel cannot serve it, until measured) and
-the Triton decode kernel's (`pallas_gpu`) otherwise: the same function in a float32 softmax,
-so the borrowed entry changes speed, not results (logged once). Forward timings:
+one). Its decode step is the Triton decode kernel's (`pallas_gpu`) while JAX has the Triton
+lowering: on the H200 it is the faster one (7B at 128K: 5.3 ms/token against the Mosaic
+decode kernel's 7.74, benchmarks/results/inference_cca_mosaic_h200.md). Without that
+lowering, the Mosaic GPU decode kernel serves every cache it takes (bfloat16/float16, D 64,
+80, 96, 128 or 256, up to 16 query heads per KV head at its default block at D <= 128, 8
+at D = 256). Both are the same function in a float32 softmax, so the choice changes speed,
+not results (a refusal that borrows is logged once). Forward timings:
 benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
 sm_90+ GPUs for bfloat16 and float16 up to head dim 128; float32 and older GPUs go to
 `pallas_gpu` or `xla`, and so do head dims 129-256 while JAX has the Triton lowering (the
@@ -30,17 +31,19 @@ from cca_jax.blocks import AttentionPattern
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIN_CAPABILITY = 9.0   # wgmma and TMA: sm_90 (Hopper) and later
-# Shapes its kernels have run at on the H200. Others (the 256-wide forward and backward;
-# decode at D = 80, 96 and 256, or with spare query-head lanes: G not a power of two) are
+# Head dims its forward and backward have run at on the H200. The 256-wide kernels are
 # tested in the GPU interpreter and by cross-lowering only, so while JAX has the Triton
-# lowering, those calls go to the Triton kernels.
+# lowering, `auto` sends those head dims to the Triton kernels.
 _MEASURED_HEAD_DIM = 128
-_MEASURED_DECODE_HEAD_DIMS = (64, 128)
+# (head_dim, G) decode shapes at which the Mosaic decode kernel measured faster than the
+# Triton one on the H200; only those use it while JAX has the Triton lowering. None yet:
+# at the 7B shape (D = 128, G = 1) it is 7.74 ms/token against 5.3.
+_DECODE_FASTER_THAN_TRITON: frozenset[tuple[int, int]] = frozenset()
 
 
-def _decode_measured(head_dim: int, groups: int) -> bool:
-    """Whether the Mosaic decode kernel has run this shape on the H200 (G = Hq / Hkv)."""
-    return head_dim in _MEASURED_DECODE_HEAD_DIMS and groups & (groups - 1) == 0
+def _decode_prefers_mosaic(head_dim: int, groups: int) -> bool:
+    """Whether the Mosaic decode kernel beat the Triton one at this shape (G = Hq / Hkv)."""
+    return (head_dim, groups) in _DECODE_FASTER_THAN_TRITON
 
 _log = logging.getLogger(__name__)
 
@@ -129,9 +132,8 @@ class MosaicGpuBackend(Backend):
         reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
         borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, d, False,
                                        "decode")
-        if reason is None and not _decode_measured(d, groups) and borrowed is None:
-            reason = (f"head_dim {d} with {groups} query heads per KV head has not yet run "
-                      "through it on the H200")
+        if borrowed is None and not _decode_prefers_mosaic(d, groups):
+            return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
         if reason is not None:
             if borrowed is not None:
                 raise ValueError(
