@@ -4,7 +4,7 @@ forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
 one). Its decode step is the Triton decode kernel's (`pallas_gpu`) while JAX has the Triton
 lowering: on the H200 it is the faster one (7B at 128K: 5.3 ms/token against the Mosaic
-decode kernel's 7.74, benchmarks/results/inference_cca_mosaic_h200.md). Without that
+decode kernel's 7.74, benchmarks/results/research/inference_mosaic_decode_h200.md). Without that
 lowering, the Mosaic GPU decode kernel serves every cache it takes (bfloat16/float16, D 64,
 80, 96, 128 or 256, up to 16 query heads per KV head at its default block at D <= 128, 8
 at D = 256). Both are the same function in a float32 softmax, so the choice changes speed,
