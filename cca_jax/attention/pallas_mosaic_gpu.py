@@ -129,11 +129,11 @@ class MosaicGpuBackend(Backend):
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
         d, groups = q.shape[-1], q.shape[1] // k_all.shape[-2]
-        reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
         borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, d, False,
                                        "decode")
         if borrowed is None and not _decode_prefers_mosaic(d, groups):
             return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
+        reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
         if reason is not None:
             if borrowed is not None:
                 raise ValueError(
