@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -227,9 +228,16 @@ def bench(kind: str, trace: Trace, args) -> dict:
                peak_gib=round(mem.get("peak_bytes_in_use", 0) / 2**30, 2),
                layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, **metrics,
                **step_metrics(stats["step_times"]))
-    import fastapi
-    import uvicorn
-    return dict(rec, **stamp(), fastapi=fastapi.__version__, uvicorn=uvicorn.__version__)
+    return dict(rec, **stamp(), fastapi=_version("fastapi"), uvicorn=_version("uvicorn"))
+
+
+def _version(package: str) -> str:
+    """An installed package's version, read from its metadata (importing fastapi pulls in
+    optional telemetry packages a bare machine may lack), or "absent"."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def step_metrics(times: dict) -> dict:
