@@ -62,6 +62,9 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
     active = jnp.ones((b,), bool) if active is None else active
     p = cache.lengths
     write = p % ring
+    # Idle rows (a server's free or prefilling rows) attend at position 0: one entry, no
+    # slots, so the kernels read nothing of their stale contexts; their outputs are unused.
+    attend_at = jnp.where(active, p, 0)
     rows = jnp.arange(b)[:, None]
     pool_slots = pool_slots and num_slots > 0
     if pool_slots:
@@ -82,7 +85,7 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
                                               pooling=cfg.attention.pooling)
             ck = set_entries(ck, i, slot, new_ck[:, 0], pooled)
             cv = set_entries(cv, i, slot, new_cv[:, 0], pooled)
-        out = attention(q[:, 0], k_all, v_all, ck, cv, i, pat, p)
+        out = attention(q[:, 0], k_all, v_all, ck, cv, i, pat, attend_at)
         return out[:, None], cache.replace(k=k_all, v=v_all, ck=ck, cv=cv)
 
     with jax.named_scope("decode_step"):

@@ -31,7 +31,8 @@ from flax import nnx
 from cca_jax import blocks
 from cca_jax.blocks import parse_option
 from cca_jax.config import LlamaConfig
-from cca_jax.decode import decode_step
+from cca_jax.attention.backends import BACKENDS
+from cca_jax.decode import decode_step, decode_step_traced
 from cca_jax.prefill import prefill, prefill_chunk
 from cca_jax.kv_cache import KVCache, cache_bytes, cache_shapes, full_cache_bytes, init_cache
 from cca_jax.model import LlamaForCausalLM
@@ -313,6 +314,36 @@ def test_scanned_decode_layers_equal_unrolled():
             outs.append(np.asarray(out))
         np.testing.assert_allclose(outs[1][:2], outs[0][:2], atol=1e-5, err_msg=str(step))
     assert_caches_equal(caches[1], caches[0])
+
+
+def test_idle_rows_attend_at_position_zero(monkeypatch):
+    """A decode step hands the attention each active row's length and position 0 for idle
+    rows (a server's free and prefilling rows): the kernels then read one entry of an idle
+    row, not its stale context. Active rows' logits are those of the all-active step."""
+    s = get_setup("cca")
+    state = nnx.split(s.model)
+    cache, _ = s.one_prefill()
+    lengths = jnp.asarray([20, 3, 9], jnp.int32)
+    tokens = jnp.asarray(s.ids[:, 0])
+    backend = BACKENDS["xla"]
+    seen = []
+
+    def recording(q, k_all, v_all, ck, cv, layer, pattern, positions):
+        seen.append(np.asarray(positions))
+        return type(backend).decode(backend, q, k_all, v_all, ck, cv, layer, pattern,
+                                    positions)
+    monkeypatch.setattr(backend, "decode", recording)
+    outs = {}
+    for name, active in (("idle", [True, False, True]), ("all", [True, True, True])):
+        seen.clear()
+        c = jax.tree.map(jnp.asarray, cache).replace(lengths=lengths)
+        outs[name], _ = decode_step_traced(state, c, tokens, jnp.asarray(active),
+                                           implementation="xla")
+        assert len(seen) == s.cfg.num_hidden_layers
+        want = np.where(active, np.asarray(lengths), 0)
+        assert all((p == want).all() for p in seen), (name, seen[0])
+    np.testing.assert_array_equal(np.asarray(outs["idle"])[[0, 2]],
+                                  np.asarray(outs["all"])[[0, 2]])
 
 
 def test_decode_equals_prefill(setup):
