@@ -457,6 +457,9 @@ def test_prompts_prefill_in_small_chunks_only_while_rows_decode(server, model, t
     after = wait_idle(server)["step_times"]
     assert after["prefill_tokens"] - before["prefill_tokens"] == 90
     assert after["prefill_chunks"] - before["prefill_chunks"] == 2 + 9
+    # the second prompt's 9 chunks ran while the first row decoded: counted apart too
+    assert after["interleaved_chunks"] - before["interleaved_chunks"] == 9
+    assert after["interleaved_tokens"] - before["interleaved_tokens"] == 70
     assert got["choices"][0]["text"] == text_of(tokenizer, second,
                                                 greedy_ids(model, second, 4))
     from cca_jax.serve.engine import EngineConfig

@@ -132,10 +132,15 @@ class StepTimes:
     """What the device did since the engine was ready, timed on the host around each program
     (tokens read back included): prefill chunks and the prompt tokens they carried, decode
     steps and the tokens they produced (active rows). Their ratios separate the decode
-    throughput of the batch from the prefill work interleaved with it."""
+    throughput of the batch from the prefill work interleaved with it. `interleaved_*`: the
+    prefill chunks that ran while rows were decoding (the `decode_chunk_size` ones, the
+    inter-token delay they add), also counted in `prefill_*`."""
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    interleaved_chunks: int = 0
+    interleaved_tokens: int = 0
+    interleaved_seconds: float = 0.0
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
@@ -483,8 +488,9 @@ class Engine:
         if not pending:
             return
         p, chunk = self.config.prefill_rows, self.config.chunk_size
-        if self.config.decode_chunk_size and any(
-                s is not None and s.prefilled == len(s.request.prompt) for s in self._rows):
+        decoding = any(s is not None and s.prefilled == len(s.request.prompt)
+                       for s in self._rows)
+        if self.config.decode_chunk_size and decoding:
             chunk = self.config.decode_chunk_size
         batch = pending[:p]
         if p == self.config.max_batch:   # every row: the whole cache, no rows copied
@@ -505,8 +511,11 @@ class Engine:
             seqs[i] = seq
         begin = time.perf_counter()
         tokens, logprobs = self._run_prefill(rows, ids, n_valid, seqs)
-        self._count(prefill_chunks=1, prefill_tokens=int(n_valid.sum()),
-                    prefill_seconds=time.perf_counter() - begin)
+        seconds, tokens_in = time.perf_counter() - begin, int(n_valid.sum())
+        self._count(prefill_chunks=1, prefill_tokens=tokens_in, prefill_seconds=seconds)
+        if decoding:
+            self._count(interleaved_chunks=1, interleaved_tokens=tokens_in,
+                        interleaved_seconds=seconds)
         for i, seq in zip(slots, batch):
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
