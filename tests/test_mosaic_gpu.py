@@ -116,10 +116,17 @@ def test_config_defaults_fit_shared_memory():
     (dict(compute_wgs=3), "compute_wgs must be one of"),
     (dict(schedule_barrier=1), "schedule_barrier must be a bool"),
     (dict(heavy_first="yes"), "heavy_first must be a bool"),
+    (dict(narrow_block=8), "narrow_block must be 0 .off. or one of"),
+    (dict(narrow_block=True), "narrow_block must be 0"),
+    (dict(narrow_block=32, block_kv=64), None),
+    (dict(narrow_block=64, block_kv=64), "below block_kv=64"),
     (dict(block_qq=64), "unknown Mosaic GPU kernel setting 'block_qq'"),
     (dict(softmax_head_dim=80), "unknown Mosaic GPU kernel setting"),   # set by the padding
 ])
 def test_config_errors(fields, match):
+    if match is None:   # a valid setting, beside the invalid ones
+        assert mosaic_config(**fields)._asdict().items() >= fields.items()
+        return
     with pytest.raises(ValueError, match=match):
         mosaic_config(**fields)
 
@@ -203,6 +210,22 @@ def test_backward_input_errors():
                                      backward_tiling=dict(dkv_block_k=64))
 
 
+def test_backend_compiles_the_narrow_head_in_only_where_a_cta_takes_one():
+    """The Mosaic backend keeps the narrow head (16 keys) for CCA with 4 sinks at 128K, where
+    1015 of 1024 CTAs take one, and drops it (no head path compiled) for the options and
+    shapes where none would; an explicit setting stays."""
+    from cca_jax.attention.pallas_mosaic_gpu import _narrow_where_it_pays
+    q = S((1, 131072, 32, 128), jnp.bfloat16)
+    assert blocks.narrow_heads(blocks.CCA(16, 1024, 4), 131072, 128, 128, 16) == 1015
+    assert _narrow_where_it_pays(blocks.CCA(16, 1024, 4), q, {}) == {}
+    for pattern in (blocks.CCA(16, 1024), blocks.CCA(16, 1024, 16), blocks.Full(),
+                    blocks.Sliding(1024), blocks.Streaming(1024, 4)):
+        assert _narrow_where_it_pays(pattern, q, {"stages": 3}) == {"stages": 3,
+                                                                     "narrow_block": 0}
+    assert _narrow_where_it_pays(blocks.CCA(16, 1024), q, {"narrow_block": 32}) == {
+        "narrow_block": 32}
+
+
 # ---- CPU: the block walk against dense visibility -------------------------------------------
 
 def _segments(b, length, seed):
@@ -232,24 +255,27 @@ def _row_bounds(name: str, packed: bool, b: int, length: int):
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("block_q,wgs,block_kv", [(8, 2, 16), (16, 1, 8)])
+@pytest.mark.parametrize("block_q,wgs,block_kv,narrow", [(8, 2, 16, 0), (16, 1, 8, 0),
+                                                        (8, 2, 16, 4), (16, 1, 8, 4)])
 def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packed, block_q,
-                                                                     wgs, block_kv):
+                                                                     wgs, block_kv, narrow):
     """For every CTA and warpgroup, the steps the kernel takes (`walk_steps`, from the
-    tables): every (row, key) or (row, slot) pair a row sees lies in a visited block, and a
-    step left unmasked for a warpgroup is seen whole by each of its rows. Small blocks stand
-    in for the kernel's (the arithmetic is the same at any size)."""
+    tables, narrow head included): every (row, key) or (row, slot) pair a row sees lies in
+    a visited step, and a step left unmasked for a warpgroup is seen whole by each of its
+    rows. Small blocks stand in for the kernel's (the arithmetic is the same at any size)."""
     b, length = 2, 150
     bounds = _row_bounds(name, packed, b, length)
     cfg_rows = block_q * wgs
     lp = -(-length // max(cfg_rows, block_kv)) * max(cfg_rows, block_kv)
     rlo, clo, chi = (np.asarray(x) for x in pad_row_bounds(*bounds, lp))
-    tables = visit_tables(rlo, clo, chi, block_q=block_q, compute_wgs=wgs, block_kv=block_kv)
-    assert tables.cta.shape == (b, lp // cfg_rows, 8) and tables.wg.shape == (b, lp // block_q, 8)
+    tables = visit_tables(rlo, clo, chi, block_q=block_q, compute_wgs=wgs, block_kv=block_kv,
+                          narrow=narrow)
+    assert tables.cta.shape == (b, lp // cfg_rows, 9) and tables.wg.shape == (b, lp // block_q, 8)
     slots = int(chi.max()) + block_kv
     for z in range(b):
         for tile in range(lp // cfg_rows):
-            steps = walk_steps(tables.cta[z, tile], tables.wg[z, tile * wgs:(tile + 1) * wgs])
+            steps = walk_steps(tables.cta[z, tile], tables.wg[z, tile * wgs:(tile + 1) * wgs],
+                               block_kv, narrow)
             assert len(steps) >= 1
             for w in range(wgs):
                 rows = tile * cfg_rows + w * block_q + np.arange(block_q)
@@ -259,15 +285,15 @@ def test_walk_covers_every_visible_key_and_masks_every_partial_block(name, packe
                 core = ((slot_ids[None] >= clo[z, rows, None])
                         & (slot_ids[None] < chi[z, rows, None]))
                 covered = {"raw": np.zeros_like(raw), "core": np.zeros_like(core)}
-                for kind, block, masked in steps:
-                    cols = slice(block * block_kv, (block + 1) * block_kv)
+                for kind, first, width, masked in steps:
+                    cols = slice(first, first + width)
                     covered[kind][:, cols] = True
                     if not masked[w]:
                         seen = raw if kind == "raw" else core
-                        assert seen[:, cols].all(), (z, tile, w, kind, block)
+                        assert seen[:, cols].all(), (z, tile, w, kind, first)
                 assert not (raw & ~covered["raw"]).any(), (z, tile, w)
                 assert not (core & ~covered["core"]).any(), (z, tile, w)
-            kinds = [kind for kind, _, _ in steps]
+            kinds = [kind for kind, *_ in steps]
             assert kinds == sorted(kinds, key=["raw", "core"].index)   # raw blocks first
 
 
@@ -462,6 +488,33 @@ def test_gpu_forward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed)
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])
+def test_gpu_narrow_head_with_sinks_matches_float64_and_triton(dtype, d):
+    """CCA with 4 sinks (g = 16, s = 256) at L = 1000: 5 of 8 CTAs take the 16-key narrow
+    head (wgmma N = 16 scores, a 32-byte-swizzled V tile for the K = 16 P V product). The
+    output against SPEC 6 in float64 row by row and against the Triton kernels; gradients
+    (the Mosaic backward, fed with this forward's log2-sum-exp) against Triton's."""
+    from tests.row_errors import row_max_error
+    from tests.test_cca_sinks import sinks_reference
+    pattern = blocks.CCA(16, 256, 4)
+    q, k, v, ct = _inputs(2, 1000, 4, 2, d, jnp.dtype(dtype), seed=11)
+    assert blocks.narrow_heads(pattern, 1000, 128, 64 if d == 256 else 128, 16) == 5
+    out, grads = _run(pattern, "mosaic", grad=True)(q, k, v, ct, None)
+    want, want_grads = _run(pattern, "triton", grad=True)(q, k, v, ct, None)
+    with jax.enable_x64():
+        ref = sinks_reference(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
+                              16, 256, 4)
+    tol = ROW_TOL[dtype]
+    errs = [row_max_error(out, np.asarray(ref)), row_max_error(out, want)]
+    errs += [row_max_error(g, w) for g, w in zip(grads, want_grads)]
+    print(f"sinks narrow head {dtype} D={d}: out vs float64 {errs[0]:.2e}, vs Triton "
+          f"{errs[1]:.2e}; dq/dk/dv vs Triton {errs[2]:.2e} {errs[3]:.2e} {errs[4]:.2e}")
+    assert errs[0] < tol["out"] and errs[1] < tol["out"], errs
+    assert max(errs[2:]) < tol["grad"], errs
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("dtype,d,hq,hkv,name,packed", [
     ("bfloat16", 128, 4, 2, "cca", True), ("float16", 64, 4, 1, "streaming", False),
     ("bfloat16", 96, 2, 2, "sliding", True)])
@@ -597,6 +650,34 @@ def test_interpreted_kernel_matches_float64(tiling, packed, d):
     ref = cca_reference(q, k, v, 4, 37, segment_ids=None if seg is None else np.asarray(seg))
     err = row_max_error(out, ref)
     assert err < ROW_TOL["bfloat16"]["out"], err     # measured 1.3e-3 and 1.5e-3
+
+
+@pytest.mark.slow   # about 60 s: the interpreter at 300 rows
+@pytest.mark.parametrize("narrow", [16, 0])
+def test_interpreted_narrow_head_with_sinks_matches_float64(narrow):
+    """CCA with 4 sinks (g = 16, s = 64) shifts the windows off the 64-key grid: 2 of the 3
+    CTAs of 128 rows take a narrow head (`narrow_block` 16 keys, their own buffers and
+    barriers, a 32-byte swizzle for the P V product). The whole kernel in the GPU
+    interpreter equals SPEC 6 built densely (float64), with and without the head."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.mosaic_gpu.tables import RAW_HEAD
+    from tests.row_errors import row_max_error
+    from tests.test_cca_sinks import sinks_reference
+    length, pattern, tiling = 300, blocks.CCA(16, 64, 4), dict(compute_wgs=2, block_kv=64)
+    q, k, v, _ = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=3)
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern)
+    cfg = mosaic_config(head_dim=64, narrow_block=narrow, **tiling)
+    lp = -(-length // cfg.row_multiple) * cfg.row_multiple
+    tables = visit_tables(*(np.asarray(x) for x in pad_row_bounds(*bounds, lp)),
+                          block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
+                          block_kv=cfg.block_kv, narrow=narrow)
+    assert int(tables.cta[..., RAW_HEAD].sum()) == (2 if narrow else 0)
+    out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, interpret=True,
+                                       narrow_block=narrow, **tiling)
+    with jax.enable_x64():
+        ref = sinks_reference(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), 16, 64, 4)
+    err = row_max_error(out, np.asarray(ref))
+    assert err < ROW_TOL["bfloat16"]["out"], err
 
 
 @pytest.mark.slow   # about 2 minutes: the interpreted forward, then Triton's interpreted backward

@@ -78,8 +78,26 @@ def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
     from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
                                        segment_ids=segment_ids)
+    tiling = _narrow_where_it_pays(pattern, q, tiling)
     return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds,
                                         interpret=_interpret_default(interpret), **tiling)
+
+
+def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict) -> dict:
+    """`tiling` with the forward's narrow head off when no CTA of one document of this
+    length would take one (CCA without sinks, full, sliding, streaming at their usual
+    shapes): those programs then hold no head path at all. With sinks off the group grid
+    (N % g != 0) nearly every CTA's window starts just past a key block's edge, and the
+    head visits 16 keys instead of a whole masked block (`tables.visit_tables`). An
+    explicit `narrow_block` stays."""
+    from pallas_kernels.mosaic_gpu import mosaic_config, padded_head_dim
+    if tiling.get("narrow_block") is not None:
+        return tiling
+    fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}
+    cfg = mosaic_config(head_dim=padded_head_dim(q.shape[-1]) or q.shape[-1], **fields)
+    if blocks.narrow_heads(pattern, q.shape[1], cfg.cta_rows, cfg.block_kv, cfg.narrow_block):
+        return tiling
+    return dict(tiling, narrow_block=0)
 
 
 class MosaicGpuBackend(Backend):

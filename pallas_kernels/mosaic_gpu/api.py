@@ -46,7 +46,7 @@ def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig):
     mp = round_up(max(ck.shape[1], 1), cfg.block_kv)
     rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
     tables = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
-                          block_kv=cfg.block_kv)
+                          block_kv=cfg.block_kv, narrow=cfg.narrow_block)
     return (pad_rows(q, lp), pad_rows(k, lp), pad_rows(v, lp), pad_rows(ck, mp),
             pad_rows(cv, mp), jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
 
@@ -113,7 +113,8 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     0); raw_lo, core_lo, core_hi: int `[B, L]`, each non-decreasing along t. Row t sees raw
     keys `[raw_lo[t], t]` and slots `[core_lo[t], core_hi[t])`. bfloat16 or float16; D up
     to 256 (64, 128 and 256 native, others zero-padded to the next). `tiling`: MosaicConfig
-    fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first) over
+    fields (block_q, block_kv, stages, compute_wgs, schedule_barrier, heavy_first,
+    narrow_block) over
     the defaults for the kernel head dim (`config.WIDE_FORWARD_DEFAULTS` at 256).
     Differentiable in q, k, v, ck, cv: `backward="mosaic"` (default: measured faster on the
     H200) runs the Mosaic GPU backward kernels (`backward_tiling`: MosaicBackwardConfig

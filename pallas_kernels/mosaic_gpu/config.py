@@ -16,6 +16,8 @@ SMEM_LIMIT_BYTES = 227 * 1024
 BLOCK_Q_CHOICES = (64, 128)
 BLOCK_KV_CHOICES = (64, 128, 256)
 HEAD_DIMS = (64, 128, 256)
+# Narrow head widths: multiples of wgmma's 16-deep bf16/fp16 step (the P V product's K).
+NARROW_CHOICES = (0, 16, 32)
 # Defaults that replace the general ones at a kernel head dim where those do not fit sm_90:
 # at D = 256 a 64 x 256 float32 accumulator is 128 registers a thread and a 64-row tile is
 # 32 KiB, so the forward takes 64-key steps (192 KiB of tiles at 2 stages) and the backward
@@ -37,6 +39,10 @@ class MosaicConfig(NamedTuple):
         softmax overlaps the other's matrix products).
     schedule_barrier: with 2 consumers, order their wgmma issue by a shared barrier (FA3).
     heavy_first: launch the last (heaviest: most core slots) query blocks first.
+    narrow_block: keys of the narrow head (`tables.visit_tables`): a CTA whose raw window
+        starts in the last `narrow_block` keys of a block visits just those, from buffers
+        of their own, instead of a whole masked block (CCA with sinks off the group grid);
+        0: off.
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -45,6 +51,7 @@ class MosaicConfig(NamedTuple):
     compute_wgs: int = 2
     schedule_barrier: bool = True
     heavy_first: bool = True
+    narrow_block: int = 16
     softmax_head_dim: int = 0
 
     @property
@@ -70,6 +77,10 @@ def check_config(cfg: MosaicConfig) -> MosaicConfig:
     _choice("compute_wgs", cfg.compute_wgs, (1, 2))
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
+    if isinstance(cfg.narrow_block, bool) or cfg.narrow_block not in NARROW_CHOICES \
+            or not cfg.narrow_block < cfg.block_kv:
+        raise ValueError(f"narrow_block must be 0 (off) or one of {NARROW_CHOICES[1:]} below "
+                         f"block_kv={cfg.block_kv}, got {cfg.narrow_block!r}.")
     for name in ("schedule_barrier", "heavy_first"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
@@ -80,12 +91,13 @@ def check_config(cfg: MosaicConfig) -> MosaicConfig:
 
 
 def shared_memory_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory the forward allocates: Q/O tiles, the K and V rings, per-row bounds and
-    log-sum-exps, barriers (8 bytes each)."""
+    """Shared memory the forward allocates: Q/O tiles, the K and V rings and narrow-head
+    buffers, per-row bounds and log-sum-exps, barriers (8 bytes each)."""
     wgs = cfg.compute_wgs
-    tiles = (wgs * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * itemsize
+    tiles = (wgs * cfg.block_q + 2 * cfg.stages * cfg.block_kv
+             + 2 * cfg.narrow_block) * head_dim * itemsize
     rows = wgs * cfg.block_q * (3 + 1) * 4
-    barriers = (2 * wgs + 4 * cfg.stages + 1) * 8
+    barriers = (2 * wgs + 4 * cfg.stages + 1 + (2 if cfg.narrow_block else 0)) * 8
     return tiles + rows + barriers
 
 

@@ -2,18 +2,20 @@
 
 Inputs are padded (`api`): q `[B, Lp, Hq, D]`, k/v `[B, Lp, Hkv, D]`, slots ck/cv
 `[B, Mp, Hq, D]`, the per-row bounds stacked `[B, 3, Lp]` (raw_lo, core_lo, core_hi) and the
-two visit tables of `tables.visit_tables`. Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp
+two visit tables of `tables.visit_tables` (with `cfg.narrow_block` as their `narrow`). Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp
 `[B, Hq, Lp]` float32 (the Triton forward's convention, so its backward can reuse it).
 
 One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1` warpgroups:
-  producer   (the last warpgroup) walks the CTA's steps: the raw-window key blocks, then the
-             core-slot blocks, TMA-copying each step's K and V block into ring slot
+  producer   (the last warpgroup) walks the CTA's steps: the narrow head if the CTA takes
+             one (`cfg.narrow_block` keys into buffers of their own, before the ring), the
+             raw-window key blocks, then the core-slot blocks, TMA-copying each step's K
+             and V block into ring slot
              `step % stages` once both consumers have released it (and at the end awaits
              the last releases, so every barrier phase is observed).
   consumers  each owns `block_q` rows: S = Q K^T on wgmma, ONE online softmax in base 2
              over all steps, O += P V on wgmma. A step is masked only where it is an edge
              block for that warpgroup's rows (split loops: masked / unmasked / masked per
-             kind), and a step outside a warpgroup's own range is fully masked (no skipping:
+             kind; the narrow head is always masked), and a step outside a warpgroup's own range is fully masked (no skipping:
              both consumers must walk the same steps of the shared ring).
 The block ranges come from `cca_jax.blocks` via the tables: nothing is re-derived here.
 Masked scores are -inf and the running max starts at a finite -1e30, so a fully masked step
@@ -38,7 +40,7 @@ from pallas_kernels.mosaic_gpu import pipeline
 from pallas_kernels.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
-                                              RAW_FULL_LAST, RAW_LAST)
+                                              RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
 
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30
@@ -61,9 +63,10 @@ def _layouts(interpreted: bool):
 def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             out_ref, lse_ref,
             qo_smem, k_smem, v_smem, rows_smem, lse_smem,
-            q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar,
-            *, cfg: MosaicConfig, groups: int, scale: float, interpreted: bool):
+            q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *head_scratch,
+            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
+    narrow = cfg.narrow_block
     dtype = q_ref.dtype
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -80,6 +83,10 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
     core_first = cta_ref[batch, tile, CORE_FIRST]
     n_raw = cta_ref[batch, tile, RAW_LAST] - raw_first
     n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
+    # The narrow head (0 or 1 step, not in the ring): keys [head_start, head_start + narrow).
+    n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else 0
+    head_start = raw_first * bk - narrow
+    kh_smem, vh_smem, head_bar = head_scratch if narrow else (None, None, None)
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched_bar)
@@ -101,44 +108,57 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         raw_lo, core_lo, core_hi = (as_rows(rows.at[i][...]) for i in range(3))
         c = scale * _LOG2E
 
-        def wide(x):
-            return lax.broadcast_in_dim(x, (bq, bk), [0])
-
         raw_visible, core_visible = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, bk),
                                                        as_tile)
 
-        def step(s, block, carry, visible):
-            """One pipeline step: ring slot s % stages holds the block's keys and values."""
+        def attend(carry, k_tile, v_tile, visible, release_keys, await_values, during_values,
+                   release_values):
+            """One step of the softmax over the keys and values in shared-memory tiles
+            `[width, D]`; `visible` a `[bq, width]` mask or None."""
             acc, m_i, l_i = carry
-            slot = lax.rem(s, jnp.int32(stages))
 
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, qo, k_tile.transpose((1, 0)))
                 if use_sched:
                     schedule_barrier()
                 return acc_ref[...]
             if interpreted:   # no transposed wgmma operands there: a plain product
-                sc = lax.dot_general(qo[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                sc = lax.dot_general(qo[...], k_tile[...], (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
                 if use_sched:
                     schedule_barrier()
             else:
-                sc = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+                sc = pl.run_scoped(scores, plgpu.ACC((bq, k_tile.shape[0]), jnp.float32))
+            release_keys()
             if visible is not None:
-                sc = jnp.where(visible(block), sc, -jnp.inf)
+                sc = jnp.where(visible, sc, -jnp.inf)
             m_new = jnp.maximum(m_i, sc.max(axis=1) * c)    # c > 0: max(s) * c = max(s * c)
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(sc * c - wide(m_new))
+            p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
             if use_sched:
                 plgpu.barrier_arrive(sched_bar)
-                plgpu.barrier_wait(v_ready.at[slot])
+                await_values()
                 plgpu.barrier_wait(sched_bar)
             else:
-                plgpu.barrier_wait(v_ready.at[slot])
+                await_values()
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_tile)
+                during_values()     # while this product runs
+            if interpreted:   # no run_state there: a plain product, added
+                acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+                during_values()
+            else:             # the wgmma accumulates onto acc in place
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            release_values()
+            return acc, m_new, l_i
+
+        def step(s, block, carry, visible):
+            """One pipeline step: ring slot s % stages holds the block's keys and values."""
+            slot = lax.rem(s, jnp.int32(stages))
 
             def wait_next_keys():
                 nxt = s + 1
@@ -146,18 +166,20 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
                 @pl.when(nxt < n_steps)
                 def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+            return attend(carry, k_smem.at[slot], v_smem.at[slot],
+                          None if visible is None else visible(block),
+                          lambda: plgpu.barrier_arrive(k_free.at[slot]),
+                          lambda: plgpu.barrier_wait(v_ready.at[slot]), wait_next_keys,
+                          lambda: plgpu.barrier_arrive(v_free.at[slot]))
 
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                wait_next_keys()     # while this product runs
-            if interpreted:   # no run_state there: a plain product, added
-                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
-                                    preferred_element_type=jnp.float32)
-                wait_next_keys()
-            else:             # the wgmma accumulates onto acc in place
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
+        def head_step(_, carry):
+            """The narrow head: its own buffers, masked, nothing to release."""
+            head_visible, _ = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, narrow),
+                                                 as_tile)
+            plgpu.barrier_wait(head_bar.at[0])
+            return attend(carry, kh_smem, vh_smem, head_visible(head_start // narrow),
+                          lambda: None, lambda: plgpu.barrier_wait(head_bar.at[1]),
+                          lambda: None, lambda: None)
 
         def walk(first, full_first, full_last, last, offset, visible, carry):
             """Steps of blocks [first, last): unmasked on [full_first, full_last)."""
@@ -177,6 +199,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         plgpu.barrier_wait(k_ready.at[0])    # n_steps >= 1: every row sees its own key
         if use_sched:
             pl.when(wg == 1)(schedule_barrier)
+        if narrow:
+            carry = lax.fori_loop(0, n_head, head_step, carry)
         carry = walk(raw_first, wg_ref[batch, own, RAW_FULL_FIRST],
                      wg_ref[batch, own, RAW_FULL_LAST], raw_first + n_raw, 0, raw_visible,
                      carry)
@@ -214,6 +238,13 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
                 rows = pl.ds((core_first + s - n_raw) * bk, bk)
                 plgpu.copy_gmem_to_smem(core_ref.at[batch, rows, head], smem.at[slot],
                                         ready.at[slot])
+
+        if narrow:
+            @pl.when(n_head > 0)
+            def _():
+                rows = pl.ds(head_start, narrow)
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], kh_smem, head_bar.at[0])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], vh_smem, head_bar.at[1])
 
         for s in range(stages):     # fill the ring
             @pl.when(s < n_steps)
@@ -266,6 +297,18 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # V slot released
         plgpu.Barrier(num_arrivals=wgs),                   # consumers' wgmma schedule
     )
+    if cfg.narrow_block:
+        # The head's P V product contracts over its `narrow_block` keys, and wgmma takes a
+        # contraction of one swizzle width at least: the V head tile uses the narrowest
+        # swizzle (32 bytes: 16 keys); the K head is the B operand of Q K^T (contracting
+        # over D), so it keeps the ring's swizzle.
+        itemsize = jnp.dtype(q.dtype).itemsize
+        narrow_swizzle = (plgpu.TilingTransform((8, 32 // itemsize)),
+                          plgpu.SwizzleTransform(32))
+        scratch += (plgpu.SMEM((cfg.narrow_block, d), q.dtype, transforms=transforms),  # K head
+                    plgpu.SMEM((cfg.narrow_block, d), q.dtype,
+                               transforms=narrow_swizzle),                         # V head
+                    plgpu.Barrier(num_barriers=2))                 # K, V head landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
                                interpreted=interpret is not None)
     return plgpu.kernel(
