@@ -1,0 +1,159 @@
+"""Where a serving turn's time goes: the engine's programs timed alone, in one process.
+
+    python benchmarks/research/serve_step_probe.py [--attention cca] [--max-batch 17]
+        [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16] [--rounds 5]
+        [--profile DIR] [--small] [--out benchmarks/results/research/serve_step_probe_h200]
+
+The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; this takes its
+turn apart on the model it serves (the 7B shape, random bf16 weights; `--small`: a tiny
+float32 model on the CPU). One cache of `--max-batch` rows x `--max-len`, every row's length
+set to the context (entries zero: the bytes read are those of a full cache), then, per context:
+  chunk C      `_prefill_and_sample` of one C-token chunk into row 0 (P = 1: the engine's
+               default, the row copied out of the cache and back);
+  copy         that row copy alone (the cache's four arrays gathered and scattered back);
+  decode A     `_decode_and_sample` with A rows active at the context, the rest idle.
+Every program is compiled first, then all are timed round-robin `--rounds` times (median), so
+drift hits each alike. `--profile DIR`: one more call of each under the profiler, with its
+kernels by time (`profile_inference.kernel_table`) in the record. Writes `<out>.json` (one
+record per program and context, stamped) and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
+from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_row(cache, rows):
+    """The P-row prefill's copy alone: the rows out of the cache, back in."""
+    sub = jax.tree.map(lambda x: x[:, rows], (cache.k, cache.v, cache.ck, cache.cv))
+    k, v, ck, cv = (x.at[:, rows].set(s + 0) for x, s in
+                    zip((cache.k, cache.v, cache.ck, cache.cv), sub))
+    return cache.replace(k=k, v=v, ck=ck, cv=cv)
+
+
+class Program:
+    """A donated-cache program called over and over on one cache: every call first puts the
+    rows back at the context (lengths only: the entries stay)."""
+
+    def __init__(self, holder: dict, context: int, run):
+        self.holder, self.context, self.run = holder, context, run
+
+    def __call__(self):
+        cache = self.holder["cache"]
+        cache = cache.replace(lengths=jnp.full_like(cache.lengths, self.context))
+        self.holder["cache"], out = self.run(cache)
+        return out
+
+
+def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> dict:
+    from flax import nnx
+
+    from cca_jax.serve.engine import _decode_and_sample, _prefill_and_sample
+    state = nnx.split(model)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    greedy = (jnp.zeros((batch,), jnp.float32), zeros, jnp.ones((batch,), jnp.float32))
+    calls = {}
+    for chunk in chunks:
+        def prefill(cache, chunk=chunk):
+            tokens, _, cache = _prefill_and_sample(
+                state, cache, jnp.zeros((1,), jnp.int32), jnp.zeros((1, chunk), jnp.int32),
+                jnp.full((1,), chunk, jnp.int32), zeros[:1], *(x[:1] for x in greedy))
+            return cache, tokens
+        calls[f"chunk {chunk}"] = Program(holder, context, prefill)
+    calls["copy"] = Program(holder, context,
+                            lambda cache: (_copy_row(cache, jnp.zeros((1,), jnp.int32)), None))
+    for active in actives:
+        mask = jnp.arange(batch) < active
+
+        def decode(cache, mask=mask):
+            tokens, _, cache = _decode_and_sample(state, cache, zeros, mask, zeros, zeros,
+                                                  *greedy, pool_slots=False)
+            return cache, tokens
+        calls[f"decode {active}"] = Program(holder, context, decode)
+    return calls
+
+
+def profile(calls: dict, out_dir: str) -> dict:
+    from benchmarks.research.profile_inference import kernel_table
+    tables = {}
+    for name, call in calls.items():
+        where = os.path.join(out_dir, name.replace(" ", "_"))
+        jax.block_until_ready(call())
+        with jax.profiler.trace(where):
+            jax.block_until_ready(call())
+        table = kernel_table(where, 12)
+        table.pop("events", None)
+        tables[name] = table
+    return tables
+
+
+def table(records) -> str:
+    first = records[0]
+    lines = [f"Serving turn, program by program ({first['attention']}, {first['shape']}, "
+             f"{first['max_batch']} rows x {first['max_len']}), {first['device']}, "
+             f"jax {first['jax']}, {first['date']}, commit {first['commit']}",
+             f"Command: `{first['command']}`", "",
+             "| context | program | ms | tokens | kernel ms (profiled) |", "| --- | --- | --- | --- | --- |"]
+    for r in records:
+        kernels = r.get("kernels", {}).get("kernel_ms")
+        lines.append(f"| {r['context']} | {r['program']} | {r['ms']:.2f} | {r['tokens']} | "
+                     f"{'' if kernels is None else f'{kernels:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--attention", default="cca")
+    ap.add_argument("--max-batch", type=int, default=17)
+    ap.add_argument("--max-len", type=int, default=131072)
+    ap.add_argument("--contexts", default="32768,126976")
+    ap.add_argument("--chunks", default="256,2048")
+    ap.add_argument("--active", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--small", action="store_true", help="a tiny float32 model (CPU check)")
+    ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
+    args = ap.parse_args(argv)
+    from cca_jax.kv_cache import init_cache
+    trace = SMALL if args.small else Trace(max_len=args.max_len)
+    batch = 4 if args.small else args.max_batch
+    contexts = [32, 64] if args.small else [int(x) for x in args.contexts.split(",")]
+    chunks = [8, 16] if args.small else [int(x) for x in args.chunks.split(",")]
+    actives = [1, 3] if args.small else [int(x) for x in args.active.split(",")]
+    if max(contexts) + max(chunks) > trace.max_len:
+        raise SystemExit(f"--contexts + --chunks must stay within --max-len {trace.max_len}")
+    model = build_model(trace, args.attention)
+    holder = {"cache": init_cache(model.config, batch, trace.max_len)}
+    records = []
+    for context in contexts:
+        calls = programs(model, holder, batch, context, chunks, actives)
+        times = round_robin({name: (call, ()) for name, call in calls.items()}, args.rounds)
+        kernels = profile(calls, os.path.join(args.profile, str(context))) \
+            if args.profile else {}
+        for name, ms in times.items():
+            kind, _, size = name.partition(" ")
+            tokens = int(size) if kind in ("chunk", "decode") else 0
+            records.append(dict(attention=args.attention, shape=trace.shape,
+                                max_batch=batch, max_len=trace.max_len, context=context,
+                                program=name, ms=round(ms, 3), tokens=tokens,
+                                kernels=kernels.get(name, {}), **stamp()))
+            print(f"context {context}: {name}: {ms:.2f} ms", flush=True)
+    write_results(args.out, records, table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
