@@ -3,7 +3,7 @@
     python benchmarks/research/mosaic_gpu_decode.py [--batch 1,16] [--hkv 32,8] \\
         [--mosaic-tilings '[{}, {"block": 64, "stages": 4}]']
 
-LLaMA-2-7B's decode step at 128K of context: Hq = 32, D = 128, bf16, CCA g = 16, s = 1024
+LLaMA-2-7B's decode step at 128K of context: Hq = 32, D = 128 (`--d`), bf16, CCA g = 16, s = 1024
 (ring R = s + g = 1040), slots C = 131072 / 16 = 8192, the cache stacked over --layers (32)
 layers and read in place at `layer=i`. Rows of a batch sit at positions
 `context - 1 - 37 * row` (every row sees ~8128 slots and the whole window).
@@ -35,7 +35,7 @@ sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas
 from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 
-D, DTYPE = 128, jnp.bfloat16
+DTYPE = jnp.bfloat16
 
 
 def _tiling_name(prefix: str, tiling: dict) -> str:
@@ -71,10 +71,10 @@ def _kernels(mosaic_tilings: list, interpret: bool = False) -> dict:
     return kernels
 
 
-def make_cache(key, layers: int, batch: int, hq: int, hkv: int, ring: int, slots: int):
+def make_cache(key, layers: int, batch: int, hq: int, hkv: int, ring: int, slots: int, d: int):
     """Random bf16 stacked cache (ring `[L, B, R, Hkv, D]`, slots `[L, B, C, Hq, D]`), drawn
     a layer at a time into the stacked buffers (no second copy of the 70 GB)."""
-    shapes = [(batch, ring, hkv, D)] * 2 + [(batch, slots, hq, D)] * 2
+    shapes = [(batch, ring, hkv, d)] * 2 + [(batch, slots, hq, d)] * 2
 
     @jax.jit
     def gen(key):
@@ -110,14 +110,14 @@ def run_case(args, base: dict, kernels: dict, batch: int, hkv: int) -> list:
     pattern = blocks.CCA(args.g, args.s)
     ring, slots = blocks.ring_size(pattern, args.max_len), pattern.max_slots(args.max_len)
     key = jax.random.PRNGKey(batch * 1000 + hkv)
-    cache = make_cache(key, args.layers, batch, args.hq, hkv, ring, slots)
-    q = jax.random.normal(jax.random.fold_in(key, 7), (batch, args.hq, D), DTYPE)
+    cache = make_cache(key, args.layers, batch, args.hq, hkv, ring, slots, args.d)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (batch, args.hq, args.d), DTYPE)
     t = args.context - 1 - 37 * np.arange(batch)
     bounds = blocks.decode_bounds(pattern, jnp.asarray(t, jnp.int32), ring, slots)
-    visible = 2 * D * 2 * (int(np.sum(np.asarray(bounds.ring_count))) * hkv
+    visible = 2 * args.d * 2 * (int(np.sum(np.asarray(bounds.ring_count))) * hkv
                            + int(np.sum(np.asarray(bounds.num_slots))) * args.hq)
     inputs = (q, *cache, bounds)
-    case = dict(base, batch=batch, q_heads=args.hq, kv_heads=hkv, head_dim=D, dtype="bfloat16",
+    case = dict(base, batch=batch, q_heads=args.hq, kv_heads=hkv, head_dim=args.d, dtype="bfloat16",
                 context=args.context, max_len=args.max_len, ring=ring, slots=slots,
                 layers=args.layers, visible_bytes_per_layer=visible)
     records, calls, outputs = [], {}, {}
@@ -153,6 +153,8 @@ def main(argv=None):
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--hkv", default="32,8")
     ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--d", type=int, default=128, help="head dim (80 and 96: the Triton "
+                    "kernel reads them at 128 wide, masked; the Mosaic one at their width)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--max-len", type=int, default=131072)
@@ -191,7 +193,7 @@ def _write(args, base: dict, records: list) -> None:
         else:
             rows.append(f"| {r['batch']} | {r['kv_heads']} | {r['kernel']} | error | | | "
                         f"{r.get('error', '')[:80]} |")
-    header = (f"Mosaic GPU vs Triton decode attention per layer call (7B: Hq = {args.hq}, D = {D}, "
+    header = (f"Mosaic GPU vs Triton decode attention per layer call (7B: Hq = {args.hq}, D = {args.d}, "
               f"bf16, R = {records[0]['ring']}, C = {records[0]['slots']}, context "
               f"{args.context}, {args.layers} stacked layers), {base['device']}, jax "
               f"{base['jax']}, {base['date']}, commit {base['commit']}\n"
