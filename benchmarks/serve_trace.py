@@ -273,7 +273,8 @@ def table(records) -> str:
              f"({first.get('decode_chunk_size') or first['chunk_size']} while rows decode)", "",
              "| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for r in records:
-        lines.append("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+        cells = (r.get(c) for c in cols)
+        lines.append("| " + " | ".join("-" if x is None else str(x) for x in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
