@@ -8,6 +8,8 @@ programs: with and without pooling): lower and compile; no weights allocated unl
 Prints one JSON line per variant: seconds to trace+lower and to compile, the count of
 Pallas kernels and fusions in the optimised program, and with `--steps N` the median ms of a
 decode step on random weights (does a variant that compiles faster read weights slower?).
+`--parallel` compiles the variants at once instead, one thread each, and prints the wall time
+against each one's own (the server's start-up compiles its programs: can they overlap?).
 Variants:
   base           the decode step as `decode_step` compiles it (pool_slots=True)
   no_pool        the step without pooling (the other program)
@@ -73,7 +75,8 @@ def step_ms(compiled, real, batch: int, steps: int) -> float:
     return round(statistics.median(times[2:]), 3)
 
 
-def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int = 0) -> dict:
+def lower(shape: str, batch: int, max_len: int, name: str):
+    """(the variant's lowered decode step, seconds to trace and lower, its implementation)."""
     from flax import nnx
 
     from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_implementation, decode_step_traced
@@ -98,7 +101,11 @@ def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int
     lowered = step.trace(state, cache, tokens, active, implementation=impl,
                          pool_slots=variant["pool_slots"],
                          unroll_layers=variant.get("unroll_layers", True)).lower()
-    lowered_s = time.perf_counter() - start
+    return lowered, time.perf_counter() - start, impl
+
+
+def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int = 0) -> dict:
+    lowered, lowered_s, impl = lower(shape, batch, max_len, name)
     start = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
@@ -111,6 +118,24 @@ def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int
                 fusions=text.count(" fusion("))
 
 
+def parallel_compile(shape: str, batch: int, max_len: int, names: list) -> dict:
+    """Lower each variant, then compile all of them in threads at once: the wall time
+    against each compile's own."""
+    import concurrent.futures
+    lowered = [lower(shape, batch, max_len, name)[0] for name in names]
+
+    def timed(one):
+        start = time.perf_counter()
+        one.compile()
+        return round(time.perf_counter() - start, 2)
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        each = list(pool.map(timed, lowered))
+    return dict(parallel=names, shape=shape, batch=batch, max_len=max_len,
+                backend=jax.default_backend(), jax=jax.__version__,
+                wall_s=round(time.perf_counter() - start, 2), each_s=dict(zip(names, each)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
@@ -119,11 +144,17 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=0,
                     help="also time this many decode steps of each variant on random weights")
+    ap.add_argument("--parallel", action="store_true",
+                    help="instead: compile the variants at once, one thread each (a server "
+                         "compiles its two decode programs: does their wall time overlap?)")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
     for name in names:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {sorted(VARIANTS)}")
+    if args.parallel:
+        print(json.dumps(parallel_compile(args.shape, args.batch, args.max_len, names)))
+        return
     real = None
     if args.steps:
         from flax import nnx
