@@ -211,19 +211,25 @@ def test_backward_input_errors():
 
 
 def test_backend_compiles_the_narrow_head_in_only_where_a_cta_takes_one():
-    """The Mosaic backend keeps the narrow head (16 keys) for CCA with 4 sinks at 128K, where
-    1015 of 1024 CTAs take one, and drops it (no head path compiled) for the options and
-    shapes where none would; an explicit setting stays."""
+    """The Mosaic backend keeps the narrow heads (16 keys) of the forward and of the dq
+    kernel for CCA with 4 sinks at 128K, where 1015 of 1024 forward CTAs take one, and
+    drops them (no head path compiled) for the options and shapes where none would; explicit
+    settings and a Triton backward's settings stay."""
     from cca_jax.attention.pallas_mosaic_gpu import _narrow_where_it_pays
     q = S((1, 131072, 32, 128), jnp.bfloat16)
-    assert blocks.narrow_heads(blocks.CCA(16, 1024, 4), 131072, 128, 128, 16) == 1015
-    assert _narrow_where_it_pays(blocks.CCA(16, 1024, 4), q, {}) == {}
+    sinks = blocks.CCA(16, 1024, 4)
+    assert blocks.narrow_heads(sinks, 131072, 128, 128, 16) == 1015
+    assert blocks.narrow_heads(sinks, 131072, 128, 64, 16) > 1000      # the dq kernel's
+    assert _narrow_where_it_pays(sinks, q, {}) == {}
+    off = {"narrow_block": 0, "backward_tiling": {"narrow_block": 0}}
     for pattern in (blocks.CCA(16, 1024), blocks.CCA(16, 1024, 16), blocks.Full(),
                     blocks.Sliding(1024), blocks.Streaming(1024, 4)):
-        assert _narrow_where_it_pays(pattern, q, {"stages": 3}) == {"stages": 3,
-                                                                     "narrow_block": 0}
+        assert _narrow_where_it_pays(pattern, q, {"stages": 3}) == {"stages": 3, **off}
     assert _narrow_where_it_pays(blocks.CCA(16, 1024), q, {"narrow_block": 32}) == {
-        "narrow_block": 32}
+        "narrow_block": 32, "backward_tiling": {"narrow_block": 0}}
+    triton = {"backward": "triton", "backward_tiling": {"block_q": 64}}
+    assert _narrow_where_it_pays(blocks.CCA(16, 1024), q, triton) == {**triton,
+                                                                       "narrow_block": 0}
 
 
 # ---- CPU: the block walk against dense visibility -------------------------------------------
@@ -739,6 +745,8 @@ def _core_reference64(q, k, v, ck, cv, raw_lo, core_lo, core_hi, dout):
 INTERPRETED_BACKWARD = {
     "cca_gqa_packed": (blocks.CCA(4, 37), 200, 2, 1, True, dict(compute_wgs=1), 64),
     "cca_sinks": (blocks.CCA(5, 41, 3), 150, 2, 1, False, dict(compute_wgs=2, stages=3), 64),
+    # 4 sinks off the 64-key grid: 2 of the dq kernel's 3 CTAs take the 16-key narrow head
+    "cca_sinks_narrow_head": (blocks.CCA(16, 64, 4), 300, 2, 1, False, dict(compute_wgs=2), 64),
     "full_no_slots": (blocks.CCA(4, 400), 150, 2, 2, False, dict(compute_wgs=1), 64),  # m = 0
     # D = 256 at its head-dim defaults: one warpgroup, dK and dV in separate kernels.
     "cca_d256_split_keys": (blocks.CCA(4, 37), 150, 2, 1, False, {}, 256),
@@ -762,6 +770,8 @@ def test_interpreted_backward_matches_float64(case):
     seg = jnp.asarray(_segments(1, length, 2)) if packed else None
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
     assert (ck.shape[1] == 0) == (case == "full_no_slots")
+    if case == "cca_sinks_narrow_head":
+        assert blocks.narrow_heads(pattern, length, 128, 64, 16) == 2
     dout = ct.astype(q.dtype)
     out, lse, want = _core_reference64(q, k, v, ck, cv, *bounds, dout)
     got = mosaic_backward(q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype),

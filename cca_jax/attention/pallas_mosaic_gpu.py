@@ -84,20 +84,32 @@ def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
 
 
 def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict) -> dict:
-    """`tiling` with the forward's narrow head off when no CTA of one document of this
-    length would take one (CCA without sinks, full, sliding, streaming at their usual
-    shapes): those programs then hold no head path at all. With sinks off the group grid
-    (N % g != 0) nearly every CTA's window starts just past a key block's edge, and the
-    head visits 16 keys instead of a whole masked block (`tables.visit_tables`). An
-    explicit `narrow_block` stays."""
-    from pallas_kernels.mosaic_gpu import mosaic_config, padded_head_dim
-    if tiling.get("narrow_block") is not None:
-        return tiling
-    fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}
-    cfg = mosaic_config(head_dim=padded_head_dim(q.shape[-1]) or q.shape[-1], **fields)
-    if blocks.narrow_heads(pattern, q.shape[1], cfg.cta_rows, cfg.block_kv, cfg.narrow_block):
-        return tiling
-    return dict(tiling, narrow_block=0)
+    """`tiling` with the narrow heads of the forward and of the Mosaic backward's dq kernel
+    off where no CTA of one document of this length would take one (CCA without sinks,
+    full, sliding, streaming at their usual shapes): those programs then hold no head path
+    at all. With sinks off the group grid (N % g != 0) nearly every CTA's window starts just
+    past a key block's edge, and the head visits 16 keys instead of a whole masked block
+    (`tables.visit_tables`). Explicit `narrow_block` settings stay."""
+    from pallas_kernels.mosaic_gpu import (mosaic_backward_config, mosaic_config,
+                                           padded_head_dim)
+    width = padded_head_dim(q.shape[-1]) or q.shape[-1]
+    length = q.shape[1]
+
+    def pays(rows: int, block_kv: int, narrow: int) -> bool:
+        return bool(blocks.narrow_heads(pattern, length, rows, block_kv, narrow))
+    tiling = dict(tiling)
+    if tiling.get("narrow_block") is None:
+        fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}
+        cfg = mosaic_config(head_dim=width, **fields)
+        if not pays(cfg.cta_rows, cfg.block_kv, cfg.narrow_block):
+            tiling["narrow_block"] = 0
+    backward_tiling = dict(tiling.get("backward_tiling") or {})
+    if tiling.get("backward", "mosaic") == "mosaic" and \
+            backward_tiling.get("narrow_block") is None:
+        cfg = mosaic_backward_config(head_dim=width, **backward_tiling)
+        if not pays(cfg.block_q * cfg.compute_wgs, cfg.block_kv, cfg.narrow_block):
+            tiling["backward_tiling"] = dict(backward_tiling, narrow_block=0)
+    return tiling
 
 
 class MosaicGpuBackend(Backend):

@@ -39,7 +39,7 @@ def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
     dop = pad_rows(dout.astype(q.dtype), lp)
     ckp, cvp = pad_rows(ck, mp), pad_rows(cv, mp)
     fwd = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
-                       block_kv=cfg.block_kv)
+                       block_kv=cfg.block_kv, narrow=cfg.narrow_block)
     raw, slots = key_visit_tables(rlo, clo, chi, mp, key_rows=KEY_ROWS,
                                   compute_wgs=cfg.compute_wgs, block_q=cfg.key_block_q)
     dq = dq_kernel(qp, kp, vp, ckp, cvp, dop, stats, bounds, fwd.cta, fwd.wg, cfg,

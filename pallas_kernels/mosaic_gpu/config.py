@@ -146,6 +146,7 @@ class MosaicBackwardConfig(NamedTuple):
     split_keys: dK and dV in two kernels, each holding one float32 accumulator (the dK one
         recomputes the scores: one more product per step) where both would not fit a
         thread's registers: D = 256.
+    narrow_block: dq kernel: keys of its narrow head (the forward's `narrow_block`); 0: off.
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -154,6 +155,7 @@ class MosaicBackwardConfig(NamedTuple):
     stages: int = 3   # faster than 2 at 8K-128K: research/mosaic_gpu_cca_bwd_h200.md
     compute_wgs: int = 2
     split_keys: bool = False
+    narrow_block: int = 16
     softmax_head_dim: int = 0
 
     @property
@@ -183,6 +185,10 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
     if not isinstance(cfg.split_keys, bool):
         raise ValueError(f"split_keys must be a bool, got {cfg.split_keys!r}.")
+    if isinstance(cfg.narrow_block, bool) or cfg.narrow_block not in NARROW_CHOICES \
+            or not cfg.narrow_block < cfg.block_kv:
+        raise ValueError(f"narrow_block must be 0 (off) or one of {NARROW_CHOICES[1:]} below "
+                         f"block_kv={cfg.block_kv}, got {cfg.narrow_block!r}.")
     if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
             or cfg.softmax_head_dim < 0:
         raise ValueError(f"softmax_head_dim must be an int >= 0, got {cfg.softmax_head_dim!r}.")
@@ -196,8 +202,9 @@ def backward_shared_memory_bytes(cfg: MosaicBackwardConfig, head_dim: int,
     bounds and log2-sum-exp/delta, barriers (8 bytes each)."""
     wgs, stages = cfg.compute_wgs, cfg.stages
     barriers = (4 * wgs + 4 * stages) * 8
-    dq = (2 * wgs * cfg.block_q + 2 * stages * cfg.block_kv) * head_dim * itemsize \
-        + wgs * cfg.block_q * (3 + 2) * 4 + barriers
+    dq = (2 * wgs * cfg.block_q + 2 * stages * cfg.block_kv + 3 * cfg.narrow_block) \
+        * head_dim * itemsize + wgs * cfg.block_q * (3 + 2) * 4 + barriers \
+        + (3 * 8 if cfg.narrow_block else 0)
     keys = (2 * wgs * KEY_ROWS + 2 * stages * cfg.key_block_q) * head_dim * itemsize \
         + stages * cfg.key_block_q * (3 + 2) * 4 + barriers
     return {"dq": dq, "keys": keys}

@@ -7,6 +7,10 @@ warpgroup) streams the raw-window key blocks and then the slot blocks the CTA's 
 P = exp2(S * c - lse) from the forward's log2-sum-exp, dP = dO V^T, dS = P (dP - delta),
 and accumulates dQ += dS K in registers (float32), masking only the steps that are edge
 blocks for its own rows. dq is written once, scaled, in the inputs' dtype.
+With `cfg.narrow_block`, a CTA whose raw window starts in the last `narrow_block` keys of a
+block takes those as one masked narrow step first (the forward's narrow head, from buffers
+of their own: K twice, once with the 32-byte swizzle that dQ += dS K's 16-deep contraction
+over the keys needs).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pallas_kernels.mosaic_gpu import pipeline
 from pallas_kernels.mosaic_gpu.config import MosaicBackwardConfig
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
-                                              RAW_FULL_LAST, RAW_LAST)
+                                              RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
 
 _LOG2E = math.log2(math.e)
 
@@ -32,9 +36,10 @@ _LOG2E = math.log2(math.e)
 def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, cta_ref,
             wg_ref, dq_ref,
             q_smem, do_smem, k_smem, v_smem, rows_smem, stats_smem,
-            q_bar, do_bar, rows_bar, stats_bar, k_ready, v_ready, free,
-            *, cfg: MosaicBackwardConfig, groups: int, scale: float, interpreted: bool):
+            q_bar, do_bar, rows_bar, stats_bar, k_ready, v_ready, free, *head_scratch,
+            cfg: MosaicBackwardConfig, groups: int, scale: float, interpreted: bool):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
+    narrow = cfg.narrow_block
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -44,6 +49,10 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
     core_first = cta_ref[batch, tile, CORE_FIRST]
     n_raw = cta_ref[batch, tile, RAW_LAST] - raw_first
     n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
+    # The narrow head (0 or 1 step, not in the ring): keys [head_start, head_start + narrow).
+    n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else 0
+    head_start = raw_first * bk - narrow
+    kh_smem, kh32_smem, vh_smem, head_bar = head_scratch if narrow else (None,) * 4
 
     @pl.when(wg < wgs)
     def _consumer():
@@ -64,28 +73,41 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
         lse, delta = (as_rows(stats_smem.at[wg].at[i][...]) for i in range(2))
         c = scale * _LOG2E
 
-        def wide(x):
-            return lax.broadcast_in_dim(x, (bq, bk), [0])
-
         raw_visible, core_visible = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, bk),
                                                        as_tile)
+
+        def gradient(dq, k_tile, v_tile, k_rows, visible):
+            """dQ += dS K over the keys of one step's tiles (`k_rows`: K laid out for the
+            dS K product); `visible` a mask of the step's scores or None."""
+            sc = pipeline.scores(q_tile, k_tile, interpreted)
+            if visible is not None:
+                sc = jnp.where(visible, sc, -jnp.inf)
+            p = jnp.exp2(sc * c - lax.broadcast_in_dim(lse, sc.shape, [0]))
+            dp = pipeline.scores(do_tile, v_tile, interpreted)
+            ds = p * (dp - lax.broadcast_in_dim(delta, sc.shape, [0]))
+            return pipeline.accumulate(dq, ds.astype(q_ref.dtype), k_rows, interpreted)
 
         def step(s, block, dq, masked, visible):
             slot = lax.rem(s, jnp.int32(stages))
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
-            sc = pipeline.scores(q_tile, k_smem.at[slot], interpreted)
-            if masked:
-                sc = jnp.where(visible(block), sc, -jnp.inf)
-            p = jnp.exp2(sc * c - wide(lse))
-            dp = pipeline.scores(do_tile, v_smem.at[slot], interpreted)
-            ds = p * (dp - wide(delta))
-            dq = pipeline.accumulate(dq, ds.astype(q_ref.dtype), k_smem.at[slot], interpreted)
+            dq = gradient(dq, k_smem.at[slot], v_smem.at[slot], k_smem.at[slot],
+                          visible(block) if masked else None)
             plgpu.barrier_arrive(free.at[slot])
             return dq
 
+        def head_step(_, dq):
+            """The narrow head: its own buffers, masked, nothing to release."""
+            head_visible, _ = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, narrow),
+                                                 as_tile)
+            for i in range(3):
+                plgpu.barrier_wait(head_bar.at[i])
+            return gradient(dq, kh_smem, vh_smem, kh32_smem, head_visible(head_start // narrow))
+
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
         dq = as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+        if narrow:
+            dq = lax.fori_loop(0, n_head, head_step, dq)
         dq = pipeline.walk(raw_first, wg_ref[batch, own, RAW_FULL_FIRST],
                            wg_ref[batch, own, RAW_FULL_LAST], raw_first + n_raw, 0,
                            functools.partial(step, visible=raw_visible), dq)
@@ -102,6 +124,13 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
         if wgs == 2:
             plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
         kv_head = head if groups == 1 else lax.div(head, jnp.int32(groups))
+        if narrow:
+            @pl.when(n_head > 0)
+            def _():
+                keys = pl.ds(head_start, narrow)
+                for i, (ref, smem) in enumerate(((k_ref, kh_smem), (k_ref, kh32_smem),
+                                                 (v_ref, vh_smem))):
+                    plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem, head_bar.at[i])
 
         def copy(s, slot):
             @pl.when(s < n_raw)
@@ -150,6 +179,14 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
         plgpu.Barrier(num_barriers=stages),                # V landed
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # ring slot released
     )
+    if cfg.narrow_block:
+        n, itemsize = cfg.narrow_block, jnp.dtype(q.dtype).itemsize
+        narrow_swizzle = (plgpu.TilingTransform((8, 32 // itemsize)),
+                          plgpu.SwizzleTransform(32))
+        scratch += (plgpu.SMEM((n, d), q.dtype, transforms=transforms),      # K head (for S)
+                    plgpu.SMEM((n, d), q.dtype, transforms=narrow_swizzle),  # K head (dS K)
+                    plgpu.SMEM((n, d), q.dtype, transforms=transforms),      # V head
+                    plgpu.Barrier(num_barriers=3))                           # each landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2],
                                scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
                                interpreted=interpret is not None)
