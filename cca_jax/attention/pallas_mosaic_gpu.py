@@ -153,8 +153,12 @@ class MosaicGpuBackend(Backend):
 
     def _blocked(self, q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window):
         from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
+        # No narrow heads here (prefill chunks, sequence shards): whether a CTA takes one
+        # depends on where the chunk or shard starts, and a head path compiled in but not
+        # taken is not free (the Triton forward's cost 1-2 %); kept off until measured.
         return blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi,
-                                            interpret=_interpret_default(None))
+                                            interpret=_interpret_default(None), narrow_block=0,
+                                            backward_tiling={"narrow_block": 0})
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
