@@ -210,7 +210,7 @@ class LlamaForCausalLM(nnx.Module):
         weight is a static slice of the stacked parameters, read in place (a decode step is
         bound by reading the weights; the scan's dynamic slices are copied first). The scan
         compiles faster, and a prefill is compute-bound.
-        `last_rows` (int `[B]`, scan only): only row `last_rows[b]` of each batch row is
+        `last_rows` (int `[B]`): only row `last_rows[b]` of each batch row is
         wanted from the last layer, whose keys/values still go into the cache but whose
         attention, output projection and MLP run for that row alone (`attend(...,
         out_rows=last_rows)` -> `[B, 1, Hq, D]`); returns `[B, 1, hidden]`. A prefill needs no
@@ -233,15 +233,15 @@ class LlamaForCausalLM(nnx.Module):
                 core = lambda q, k, v: attend(i, q, k, v, carry, out_rows=rows)  # noqa: E731
             return layer_at(i).decode(x, cos, sin, core, rows=rows)
 
+        trimmed = last_rows is not None
         if unroll:
-            if last_rows is not None:
-                raise ValueError("last_rows needs the scanned stack (unroll=False).")
             state = (x, carry)
-            for i in range(num_layers):
+            for i in range(num_layers - trimmed):
                 state = body(state, i)
             x, carry = state
+            if trimmed:
+                x, carry = body((x, carry), num_layers - 1, rows=last_rows)
             return self.norm(x), carry
-        trimmed = last_rows is not None
         layers = jnp.arange(num_layers - trimmed, dtype=jnp.int32)
         (x, carry), _ = jax.lax.scan(lambda state, i: (body(state, i), None), (x, carry),
                                      layers)

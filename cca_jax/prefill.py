@@ -39,6 +39,21 @@ from cca_jax.padding import round_up
 from cca_jax.rope import rope_cos_sin
 
 DEFAULT_CHUNK_SIZE = 2048
+# A chunk of at most this many tokens (rows x chunk) runs its layers unrolled on a GPU: every
+# weight then a static slice, read in place. The scan copies each layer's weights out of the
+# stack first (at the 7B shape a decode step took 11.9 ms scanned against 7.5 unrolled,
+# benchmarks/results/research/decode_compile_probe_b16_h200.jsonl): a fixed ~4 ms a chunk
+# that the small chunks a serving engine runs between decode steps feel (256 tokens: a chunk
+# of ~20-35 ms) and a 128K prompt does not. Unrolled programs compile slower (XLA compiles
+# every layer: ~50 s at the 7B shape), so larger chunks (`generate`'s 2048) and other
+# backends keep the scan.
+UNROLL_MAX_TOKENS = 512
+
+
+def unrolls(tokens: int) -> bool:
+    """Whether a prefill chunk of `tokens` tokens runs its layers unrolled (the default of
+    `prefill_chunk`: on GPUs, up to `UNROLL_MAX_TOKENS`)."""
+    return jax.default_backend() == "gpu" and tokens <= UNROLL_MAX_TOKENS
 
 
 def _stored(q, k):
@@ -131,13 +146,16 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
 
 
 def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False,
-                   first: bool = False, rows=None):
+                   first: bool = False, rows=None, unroll_layers: bool | None = None):
+    unroll = unrolls(ids.size) if unroll_layers is None else unroll_layers
     with jax.named_scope("prefill_chunk"):
         if rows is None:
-            return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first)
+            return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first,
+                                       unroll)
         sub = cache.replace(k=cache.k[:, rows], v=cache.v[:, rows], ck=cache.ck[:, rows],
                             cv=cache.cv[:, rows], lengths=cache.lengths[rows])
-        sub, *logits = _prefill_chunk_body(model_state, sub, ids, n_valid, all_logits, first)
+        sub, *logits = _prefill_chunk_body(model_state, sub, ids, n_valid, all_logits, first,
+                                           unroll)
         cache = cache.replace(k=cache.k.at[:, rows].set(sub.k), v=cache.v.at[:, rows].set(sub.v),
                               ck=cache.ck.at[:, rows].set(sub.ck),
                               cv=cache.cv.at[:, rows].set(sub.cv),
@@ -146,7 +164,7 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
 
 
 def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: bool,
-                        first: bool):
+                        first: bool, unroll: bool):
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -167,7 +185,8 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
     cos, sin = rope_cos_sin(pos, cfg)
     if first:
         attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window)
-        return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
+        return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits,
+                               unroll)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
     if num_slots:
@@ -206,18 +225,19 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
             out = _attend_rows(cfg, cache, i, q, out_rows, end)
         return out, cache
 
-    return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits)
+    return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits,
+                           unroll)
 
 
-def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits):
+def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits, unroll):
     x = model.embed(ids)
     last = jnp.maximum(n_valid - 1, 0)
     if all_logits:
-        hidden, cache = model.decode_layers(x, cos, sin, attend, cache)
+        hidden, cache = model.decode_layers(x, cos, sin, attend, cache, unroll=unroll)
         last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     else:   # the last layer for the last rows only
-        last_hidden, cache = model.decode_layers(x, cos, sin, attend, cache,
-                                                        last_rows=last)
+        last_hidden, cache = model.decode_layers(x, cos, sin, attend, cache, unroll=unroll,
+                                                 last_rows=last)
     cache = cache.replace(lengths=end)
     last_logits = model.logits(last_hidden[:, 0])
     if all_logits:
@@ -225,7 +245,8 @@ def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logit
     return cache, last_logits
 
 
-prefill_chunk = jax.jit(_prefill_chunk, static_argnames=("all_logits", "first"),
+prefill_chunk = jax.jit(_prefill_chunk,
+                        static_argnames=("all_logits", "first", "unroll_layers"),
                         donate_argnames=("cache",))
 prefill_chunk.__doc__ = """One prefill chunk, jitted: `(model_state, cache, ids [B, n], n_valid [B])
 -> (cache, logits of each row's last valid token [B, V])` (`all_logits=True`: also `[B, n, V]`).
@@ -236,7 +257,8 @@ cache is donated. `rows` (int `[P]`, distinct): the chunk is for these rows of t
 (`ids [P, n]`, `n_valid [P]`, logits `[P, V]`); the other rows are untouched and cost nothing
 but the copy of the P rows in and out (a server prefills one request while the others decode). `first=True` promises every row's cache is empty (the chunk starts at
 position 0): the chunk then runs as the model's own forward does (`run_attention`, cuDNN
-included), with no ring rows in front."""
+included), with no ring rows in front. `unroll_layers`: run the layers unrolled (weights
+read in place) or scanned (compiles faster); None: `unrolls(rows x chunk)`."""
 
 
 def _prefill_plan(model, cache: KVCache, input_ids, lengths, chunk_size: int):

@@ -201,7 +201,9 @@ def _temp_bytes(layers: int) -> dict:
     ids, n_valid = jnp.zeros((2, 64), jnp.int32), jnp.full((2,), 64, jnp.int32)
     programs = {"decode": decode_step.lower(state, cache, ids[:, 0], None),
                 "first chunk": prefill_chunk.lower(state, cache, ids, n_valid, first=True),
-                "chunk at an offset": prefill_chunk.lower(state, cache, ids, n_valid)}
+                "chunk at an offset": prefill_chunk.lower(state, cache, ids, n_valid),
+                "unrolled chunk": prefill_chunk.lower(state, cache, ids, n_valid,
+                                                      unroll_layers=True)}
     temp = {k: p.compile().memory_analysis().temp_size_in_bytes for k, p in programs.items()}
     return dict(temp, cache=cache_bytes(cache))
 
@@ -213,7 +215,7 @@ def test_cache_writes_do_not_copy_the_cache():
     whose straight-line updates then copy the cache once (a fixed cost, not growth)."""
     one, two = _temp_bytes(3), _temp_bytes(4)
     grown = two["cache"] - one["cache"]
-    for name in ("decode", "first chunk", "chunk at an offset"):
+    for name in ("decode", "first chunk", "chunk at an offset", "unrolled chunk"):
         assert two[name] - one[name] < 0.25 * grown, (name, one, two)
 
 
@@ -314,6 +316,38 @@ def test_scanned_decode_layers_equal_unrolled():
             outs.append(np.asarray(out))
         np.testing.assert_allclose(outs[1][:2], outs[0][:2], atol=1e-5, err_msg=str(step))
     assert_caches_equal(caches[1], caches[0])
+
+
+def test_small_chunks_unroll_on_gpus_only(monkeypatch):
+    """The default of `prefill_chunk`: layers unrolled for chunks of up to
+    `UNROLL_MAX_TOKENS` tokens on a GPU, scanned above it and on every other backend."""
+    from cca_jax import prefill as prefill_module
+    assert not prefill_module.unrolls(256)                     # this CPU
+    monkeypatch.setattr(prefill_module.jax, "default_backend", lambda: "gpu")
+    limit = prefill_module.UNROLL_MAX_TOKENS
+    assert prefill_module.unrolls(256) and prefill_module.unrolls(limit)
+    assert not prefill_module.unrolls(limit + 1)
+
+
+@pytest.mark.parametrize("rows,all_logits", [(None, False), ((1,), False), (None, True)])
+def test_unrolled_prefill_chunk_equals_scanned(rows, all_logits):
+    """`prefill_chunk(unroll_layers=True)` (every weight a static slice, read in place: the
+    default for small chunks on a GPU) leaves the scanned chunk's cache and logits, also for
+    one row of three (`rows`) and with every position's logits."""
+    s = get_setup("cca")
+    state = nnx.split(s.model)
+    cache, _ = s.one_prefill()
+    base = jax.tree.map(jnp.asarray, cache).replace(lengths=jnp.asarray([7, 3, 12], jnp.int32))
+    p = 3 if rows is None else len(rows)
+    ids = jnp.asarray(s.ids[:p, 12:18])
+    n_valid = jnp.asarray([6, 4, 5][:p], jnp.int32)
+    idx = None if rows is None else jnp.asarray(rows, jnp.int32)
+    outs = [prefill_chunk(state, jax.tree.map(jnp.copy, base), ids, n_valid, rows=idx,
+                          all_logits=all_logits, unroll_layers=unroll)
+            for unroll in (False, True)]
+    for got, want in zip(outs[1][1:], outs[0][1:]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    assert_caches_equal(outs[1][0], outs[0][0])
 
 
 def test_idle_rows_attend_at_position_zero(monkeypatch):

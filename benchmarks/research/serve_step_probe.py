@@ -9,7 +9,10 @@ turn apart on the model it serves (the 7B shape, random bf16 weights; `--small`:
 float32 model on the CPU). One cache of `--max-batch` rows x `--max-len`, every row's length
 set to the context (entries zero: the bytes read are those of a full cache), then, per context:
   chunk C      `_prefill_and_sample` of one C-token chunk into row 0 (P = 1: the engine's
-               default, the row copied out of the cache and back);
+               default, the row copied out of the cache and back; layers unrolled on a GPU
+               up to `prefill.UNROLL_MAX_TOKENS`), and the same chunk through `prefill_chunk`
+               with its layers "scanned" (each layer's weights copied out of the stack
+               first) and "unrolled" (weights read in place);
   copy         that row copy alone (the cache's four arrays gathered and scattered back);
   decode A     `_decode_and_sample` with A rows active at the context, the rest idle.
 Every program is compiled first, then all are timed round-robin `--rounds` times (median), so
@@ -61,6 +64,7 @@ class Program:
 def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> dict:
     from flax import nnx
 
+    from cca_jax.prefill import prefill_chunk
     from cca_jax.serve.engine import _decode_and_sample, _prefill_and_sample
     state = nnx.split(model)
     zeros = jnp.zeros((batch,), jnp.int32)
@@ -73,6 +77,14 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> 
                 jnp.full((1,), chunk, jnp.int32), zeros[:1], *(x[:1] for x in greedy))
             return cache, tokens
         calls[f"chunk {chunk}"] = Program(holder, context, prefill)
+
+        for unroll in (False, True):   # scanned: each layer's weights copied out first
+            def direct(cache, chunk=chunk, unroll=unroll):
+                return prefill_chunk(state, cache, jnp.zeros((1, chunk), jnp.int32),
+                                     jnp.full((1,), chunk, jnp.int32),
+                                     rows=jnp.zeros((1,), jnp.int32), unroll_layers=unroll)
+            name = f"chunk {chunk} {'unrolled' if unroll else 'scanned'}"
+            calls[name] = Program(holder, context, direct)
     calls["copy"] = Program(holder, context,
                             lambda cache: (_copy_row(cache, jnp.zeros((1,), jnp.int32)), None))
     for active in actives:
@@ -144,8 +156,8 @@ def main(argv=None) -> int:
         kernels = profile(calls, os.path.join(args.profile, str(context))) \
             if args.profile else {}
         for name, ms in times.items():
-            kind, _, size = name.partition(" ")
-            tokens = int(size) if kind in ("chunk", "decode") else 0
+            kind, *size = name.split()
+            tokens = int(size[0]) if kind in ("chunk", "decode") else 0
             records.append(dict(attention=args.attention, shape=trace.shape,
                                 max_batch=batch, max_len=trace.max_len, context=context,
                                 program=name, ms=round(ms, 3), tokens=tokens,
