@@ -150,6 +150,45 @@ def scatter_into_layer(x, i, rows, index, update):
                                                               mode="drop"))
 
 
+def rows_of_layer(x, i, rows):
+    """`x[i, rows]` `[P, ...]` of a stacked cache array `[L, B, ...]`: one dynamic slice per
+    row (no gather over the stacked array, which a layer scan would copy)."""
+    rest = x.shape[2:]
+    zeros = (0,) * len(rest)
+    return jnp.concatenate([jax.lax.dynamic_slice(x, (i, rows[p], *zeros), (1, 1, *rest))[0]
+                            for p in range(rows.shape[0])])
+
+
+def put_rows_of_layer(x, i, rows, value):
+    """`x` with `x[i, rows] = value` (`value` `[P, ...]`): one in-place dynamic update per row."""
+    zeros = (0,) * (x.ndim - 2)
+    for p in range(rows.shape[0]):
+        x = jax.lax.dynamic_update_slice(x, value[p][None, None].astype(x.dtype),
+                                         (i, rows[p], *zeros))
+    return x
+
+
+def put_slot_run(x, i, rows, first, slot, update):
+    """`x[i, rows[p], slot[p, j]] = update[p, j]` where `slot[p]` is the run of consecutive
+    slot indices `first[p] + j` (a chunk's candidates, `blocks.chunk_slots`), except entries
+    set to the slot count, which drop: per row, one window of the run's length read and
+    written back in place, not the row's slots."""
+    n, size = slot.shape[1], x.shape[2]
+    if n > size:   # a cache smaller than a chunk's candidates: write the whole row
+        return put_rows_of_layer(x, i, rows, rows_of_layer(x, i, rows).at[
+            jnp.arange(rows.shape[0])[:, None], slot].set(update.astype(x.dtype), mode="drop"))
+    zeros = (0,) * (x.ndim - 3)
+    for p in range(rows.shape[0]):
+        start = jnp.clip(first[p], 0, size - n)
+        old = jax.lax.dynamic_slice(x, (i, rows[p], start, *zeros), (1, 1, n, *x.shape[3:]))
+        at = jnp.clip(start + jnp.arange(n) - first[p], 0, n - 1)   # window entry -> candidate
+        fresh = jnp.take(slot[p], at) == start + jnp.arange(n)
+        new = jnp.take(update[p], at, axis=0).astype(x.dtype)
+        window = jnp.where(fresh.reshape(n, *(1,) * (x.ndim - 3)), new, old[0, 0])
+        x = jax.lax.dynamic_update_slice(x, window[None, None], (i, rows[p], start, *zeros))
+    return x
+
+
 def ring_after_chunk(old, new, p0, end):
     """One layer's ring `[B, R, H, D]` after a chunk `new` `[B, n, H, D]` at positions
     `p0 ...`, valid up to `end` (per row): entries whose position (`blocks.ring_positions`)

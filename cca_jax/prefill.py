@@ -33,8 +33,8 @@ from cca_jax.attention.pooling import pool_pattern_slots, slots_and_bounds
 from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
 from cca_jax.decode import decode_implementation, offset_implementation
-from cca_jax.kv_cache import (KVCache, check_cache, layer_of, put_layer, ring_after_chunk,
-                              scatter_into_layer)
+from cca_jax.kv_cache import (KVCache, check_cache, layer_of, put_layer, put_rows_of_layer,
+                              put_slot_run, ring_after_chunk, rows_of_layer, scatter_into_layer)
 from cca_jax.padding import round_up
 from cca_jax.rope import rope_cos_sin
 
@@ -149,9 +149,9 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
                    first: bool = False, rows=None, unroll_layers: bool | None = None):
     unroll = unrolls(ids.size) if unroll_layers is None else unroll_layers
     with jax.named_scope("prefill_chunk"):
-        if rows is None:
+        if rows is None or not first:   # the rows in place (`rows`: P of the cache's rows)
             return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first,
-                                       unroll)
+                                       unroll, rows)
         sub = cache.replace(k=cache.k[:, rows], v=cache.v[:, rows], ck=cache.ck[:, rows],
                             cv=cache.cv[:, rows], lengths=cache.lengths[rows])
         sub, *logits = _prefill_chunk_body(model_state, sub, ids, n_valid, all_logits, first,
@@ -164,7 +164,10 @@ def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool =
 
 
 def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: bool,
-                        first: bool, unroll: bool):
+                        first: bool, unroll: bool, rows=None):
+    """The chunk into every row of the cache, or (`rows` [P], not `first`) into those rows,
+    read and written in place: a ring and the new slots per row and layer, no copy of the
+    rows' whole cache."""
     graphdef, state = model_state
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -177,20 +180,31 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
     blocked = BACKENDS[offset_implementation(cfg)].blocked
     window = blocks.widest_window(pat, cache.max_len)   # raw keys of one query, at most
 
-    p0 = cache.lengths
+    p0 = cache.lengths if rows is None else cache.lengths[rows]
     r = jnp.arange(n, dtype=jnp.int32)
     pos = p0[:, None] + r
     end = p0 + n_valid
-    rows = jnp.arange(b)[:, None]
     cos, sin = rope_cos_sin(pos, cfg)
     if first:
         attend = _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window)
         return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits,
                                unroll)
+
+    def of_layer(x, i):
+        return layer_of(x, i) if rows is None else rows_of_layer(x, i, rows)
+
+    def put(x, i, value):
+        return put_layer(x, i, value) if rows is None else put_rows_of_layer(x, i, rows, value)
+
+    def put_slots(x, i, new):
+        if rows is None:
+            return scatter_into_layer(x, i, jnp.arange(b)[:, None], slot, new)
+        return put_slot_run(x, i, rows, run_first, slot, new)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
     if num_slots:
         slot, start = blocks.chunk_slots(pat, p0, n, front)
+        run_first = slot[:, 0]   # the candidates are the run run_first, run_first + 1, ...
         done = (pat.slot_last(slot) < end[:, None]) & (slot < num_slots)
         length = pat.slot_length(slot)
         slot = jnp.where(done, slot, num_slots)
@@ -203,7 +217,7 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
 
     def attend(i, q, k, v, cache, out_rows=None):
         q, k = _stored(q, k)
-        ring_k, ring_v = layer_of(cache.k, i), layer_of(cache.v, i)
+        ring_k, ring_v = of_layer(cache.k, i), of_layer(cache.v, i)
         kv_k, kv_v = virtual(ring_k, k), virtual(ring_v, v)
         qv = jnp.concatenate([jnp.zeros((b, front, *q.shape[2:]), kv_k.dtype),
                               q.astype(kv_k.dtype)], axis=1)
@@ -213,23 +227,29 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
                                                 pooling=cfg.attention.pooling,
                                                 group_start=start,
                                                 group_last=start + length - 1)
-            ck = scatter_into_layer(ck, i, rows, slot, new_ck)
-            cv = scatter_into_layer(cv, i, rows, slot, new_cv)
+            ck = put_slots(ck, i, new_ck)
+            cv = put_slots(cv, i, new_cv)
         if out_rows is None:
-            out = blocked(qv, kv_k, kv_v, layer_of(ck, i), layer_of(cv, i), raw_lo, core_lo,
+            out = blocked(qv, kv_k, kv_v, of_layer(ck, i), of_layer(cv, i), raw_lo, core_lo,
                           core_hi, blocking, window)[:, front:]
-        cache = cache.replace(k=put_layer(cache.k, i, ring_after_chunk(ring_k, k, p0, end)),
-                              v=put_layer(cache.v, i, ring_after_chunk(ring_v, v, p0, end)),
+        cache = cache.replace(k=put(cache.k, i, ring_after_chunk(ring_k, k, p0, end)),
+                              v=put(cache.v, i, ring_after_chunk(ring_v, v, p0, end)),
                               ck=ck, cv=cv)
         if out_rows is not None:
-            out = _attend_rows(cfg, cache, i, q, out_rows, end)
+            if rows is None:
+                out = _attend_rows(cfg, cache, i, q, out_rows, end)
+            else:   # the decode kernels take the stacked cache: layer i of the rows, alone
+                one = cache.replace(**{name: of_layer(getattr(cache, name), i)[None]
+                                       for name in ("k", "v", "ck", "cv")})
+                out = _attend_rows(cfg, one, 0, q, out_rows, end)
         return out, cache
 
     return _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits,
-                           unroll)
+                           unroll, rows)
 
 
-def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits, unroll):
+def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logits, unroll,
+                    rows=None):
     x = model.embed(ids)
     last = jnp.maximum(n_valid - 1, 0)
     if all_logits:
@@ -238,7 +258,7 @@ def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logit
     else:   # the last layer for the last rows only
         last_hidden, cache = model.decode_layers(x, cos, sin, attend, cache, unroll=unroll,
                                                  last_rows=last)
-    cache = cache.replace(lengths=end)
+    cache = cache.replace(lengths=end if rows is None else cache.lengths.at[rows].set(end))
     last_logits = model.logits(last_hidden[:, 0])
     if all_logits:
         return cache, last_logits, model.logits(hidden)
@@ -255,7 +275,9 @@ Row `b`'s first `n_valid[b]` tokens of `ids` go in at positions `cache.lengths[b
 others are ignored (nothing of them enters the cache). `model_state = nnx.split(model)`. The
 cache is donated. `rows` (int `[P]`, distinct): the chunk is for these rows of the cache only
 (`ids [P, n]`, `n_valid [P]`, logits `[P, V]`); the other rows are untouched and cost nothing
-but the copy of the P rows in and out (a server prefills one request while the others decode). `first=True` promises every row's cache is empty (the chunk starts at
+(a server prefills one request while the others decode): per layer each row's ring and
+slots are read and its ring and new slots written in place (with `first`, the P rows' whole
+cache is copied out and back). `first=True` promises every row's cache is empty (the chunk starts at
 position 0): the chunk then runs as the model's own forward does (`run_attention`, cuDNN
 included), with no ring rows in front. `unroll_layers`: run the layers unrolled (weights
 read in place) or scanned (compiles faster); None: `unrolls(rows x chunk)`."""

@@ -203,19 +203,23 @@ def _temp_bytes(layers: int) -> dict:
                 "first chunk": prefill_chunk.lower(state, cache, ids, n_valid, first=True),
                 "chunk at an offset": prefill_chunk.lower(state, cache, ids, n_valid),
                 "unrolled chunk": prefill_chunk.lower(state, cache, ids, n_valid,
-                                                      unroll_layers=True)}
+                                                      unroll_layers=True),
+                "chunk for one row": prefill_chunk.lower(state, cache, ids[:1], n_valid[:1],
+                                                         rows=jnp.zeros((1,), jnp.int32))}
     temp = {k: p.compile().memory_analysis().temp_size_in_bytes for k, p in programs.items()}
     return dict(temp, cache=cache_bytes(cache))
 
 
 def test_cache_writes_do_not_copy_the_cache():
     """Prefill and decode update the donated cache in place: their temporaries do not grow
-    with the cache's layers (a scatter into the whole stacked cache once copied it: 1x).
+    with the cache's layers (a scatter into the whole stacked cache once copied it: 1x; a
+    chunk for some rows once copied those rows' whole cache out and back: 0.5x here).
     3 vs 4 layers: prefill scans all layers but the last, and XLA inlines a scan of one layer,
     whose straight-line updates then copy the cache once (a fixed cost, not growth)."""
     one, two = _temp_bytes(3), _temp_bytes(4)
     grown = two["cache"] - one["cache"]
-    for name in ("decode", "first chunk", "chunk at an offset", "unrolled chunk"):
+    for name in ("decode", "first chunk", "chunk at an offset", "unrolled chunk",
+                 "chunk for one row"):
         assert two[name] - one[name] < 0.25 * grown, (name, one, two)
 
 
@@ -316,6 +320,32 @@ def test_scanned_decode_layers_equal_unrolled():
             outs.append(np.asarray(out))
         np.testing.assert_allclose(outs[1][:2], outs[0][:2], atol=1e-5, err_msg=str(step))
     assert_caches_equal(caches[1], caches[0])
+
+
+@pytest.mark.parametrize("rows,lengths", [((1,), (7, 3, 12)), ((2, 0), (5, 9, 24))])
+def test_chunk_into_some_rows_equals_the_whole_batch(rows, lengths):
+    """A chunk for some rows (`rows`, in any order: the server's P rows of B) read and written
+    in place, ring and new slots row by row, equals the same chunk through every row with no
+    tokens for the others: the same cache, every row, and the same logits. Row 2 at 24 of
+    32 positions completes slots whose window reaches the cache's last slot (the clamped
+    window)."""
+    s = get_setup("cca")
+    state = nnx.split(s.model)
+    cache, _ = s.one_prefill()
+    base = jax.tree.map(jnp.asarray, cache).replace(lengths=jnp.asarray(lengths, jnp.int32))
+    ids = jnp.asarray(s.ids[:, 12:18])
+    chosen = np.asarray(rows)
+    n_valid = np.zeros(3, np.int32)
+    n_valid[chosen] = 6
+    whole, whole_logits = prefill_chunk(state, jax.tree.map(jnp.copy, base), ids,
+                                        jnp.asarray(n_valid), unroll_layers=False)
+    some, some_logits = prefill_chunk(state, jax.tree.map(jnp.copy, base), ids[chosen],
+                                      jnp.asarray(n_valid[chosen]),
+                                      rows=jnp.asarray(chosen, jnp.int32), unroll_layers=False)
+    np.testing.assert_allclose(np.asarray(some_logits), np.asarray(whole_logits)[chosen],
+                               atol=1e-5)
+    assert_caches_equal(some, whole)
+    assert int(np.asarray(some.lengths)[2]) == lengths[2] + (6 if 2 in rows else 0)
 
 
 def test_small_chunks_unroll_on_gpus_only(monkeypatch):

@@ -9,11 +9,10 @@ turn apart on the model it serves (the 7B shape, random bf16 weights; `--small`:
 float32 model on the CPU). One cache of `--max-batch` rows x `--max-len`, every row's length
 set to the context (entries zero: the bytes read are those of a full cache), then, per context:
   chunk C      `_prefill_and_sample` of one C-token chunk into row 0 (P = 1: the engine's
-               default, the row copied out of the cache and back; layers unrolled on a GPU
+               default, read and written in place; layers unrolled on a GPU
                up to `prefill.UNROLL_MAX_TOKENS`), and the same chunk through `prefill_chunk`
                with its layers "scanned" (each layer's weights copied out of the stack
                first) and "unrolled" (weights read in place);
-  copy         that row copy alone (the cache's four arrays gathered and scattered back);
   decode A     `_decode_and_sample` with A rows active at the context, the rest idle.
 Every program is compiled first, then all are timed round-robin `--rounds` times (median), so
 drift hits each alike. `--profile DIR`: one more call of each under the profiler, with its
@@ -24,7 +23,6 @@ record per program and context, stamped) and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -36,15 +34,6 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
 from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy_row(cache, rows):
-    """The P-row prefill's copy alone: the rows out of the cache, back in."""
-    sub = jax.tree.map(lambda x: x[:, rows], (cache.k, cache.v, cache.ck, cache.cv))
-    k, v, ck, cv = (x.at[:, rows].set(s + 0) for x, s in
-                    zip((cache.k, cache.v, cache.ck, cache.cv), sub))
-    return cache.replace(k=k, v=v, ck=ck, cv=cv)
 
 
 class Program:
@@ -85,8 +74,6 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> 
                                      rows=jnp.zeros((1,), jnp.int32), unroll_layers=unroll)
             name = f"chunk {chunk} {'unrolled' if unroll else 'scanned'}"
             calls[name] = Program(holder, context, direct)
-    calls["copy"] = Program(holder, context,
-                            lambda cache: (_copy_row(cache, jnp.zeros((1,), jnp.int32)), None))
     for active in actives:
         mask = jnp.arange(batch) < active
 

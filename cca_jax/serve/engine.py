@@ -10,9 +10,8 @@ the caller). One engine thread runs the device; each turn of its loop is
     at most ONE prefill chunk: the next prompt tokens of up to `prefill_rows` requests still
         in their prompts (oldest first): `decode_chunk_size` of them while some row is
         decoding, `chunk_size` while none is; through the P rows only
-        (`prefill_chunk(rows=...)`: those rows are copied out of the cache and back; with
-        P = B the whole cache runs, nothing copied), their first tokens sampled in the same
-        program;
+        (`prefill_chunk(rows=...)`: read and written in place, layer by layer; with P = B
+        the whole cache runs), their first tokens sampled in the same program;
     ONE decode step of every row past its prompt (`decode_step` over all B rows, the idle and
         prefilling ones inactive), the next tokens sampled per row (`sample_rows`).
 
