@@ -51,7 +51,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
     n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
     # The narrow head (0 or 1 step, not in the ring): keys [head_start, head_start + narrow).
     n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else 0
-    head_start = raw_first * bk - narrow
+    head_start = raw_first * bk - narrow if narrow else None
     kh_smem, kh32_smem, vh_smem, head_bar = head_scratch if narrow else (None,) * 4
 
     @pl.when(wg < wgs)
@@ -78,10 +78,11 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
 
         def gradient(dq, k_tile, v_tile, k_rows, visible):
             """dQ += dS K over the keys of one step's tiles (`k_rows`: K laid out for the
-            dS K product); `visible` a mask of the step's scores or None."""
+            dS K product); `visible()` the mask of the step's scores (built after their
+            product, as before the head existed), or None."""
             sc = pipeline.scores(q_tile, k_tile, interpreted)
             if visible is not None:
-                sc = jnp.where(visible, sc, -jnp.inf)
+                sc = jnp.where(visible(), sc, -jnp.inf)
             p = jnp.exp2(sc * c - lax.broadcast_in_dim(lse, sc.shape, [0]))
             dp = pipeline.scores(do_tile, v_tile, interpreted)
             ds = p * (dp - lax.broadcast_in_dim(delta, sc.shape, [0]))
@@ -92,7 +93,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             dq = gradient(dq, k_smem.at[slot], v_smem.at[slot], k_smem.at[slot],
-                          visible(block) if masked else None)
+                          (lambda: visible(block)) if masked else None)
             plgpu.barrier_arrive(free.at[slot])
             return dq
 
@@ -102,7 +103,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
                                                  as_tile)
             for i in range(3):
                 plgpu.barrier_wait(head_bar.at[i])
-            return gradient(dq, kh_smem, vh_smem, kh32_smem, head_visible(head_start // narrow))
+            return gradient(dq, kh_smem, vh_smem, kh32_smem,
+                            lambda: head_visible(head_start // narrow))
 
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
         dq = as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))

@@ -85,7 +85,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
     n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
     # The narrow head (0 or 1 step, not in the ring): keys [head_start, head_start + narrow).
     n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else 0
-    head_start = raw_first * bk - narrow
+    head_start = raw_first * bk - narrow if narrow else None
     kh_smem, vh_smem, head_bar = head_scratch if narrow else (None, None, None)
 
     def schedule_barrier():
@@ -114,7 +114,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         def attend(carry, k_tile, v_tile, visible, release_keys, await_values, during_values,
                    release_values):
             """One step of the softmax over the keys and values in shared-memory tiles
-            `[width, D]`; `visible` a `[bq, width]` mask or None."""
+            `[width, D]`; `visible()` the `[bq, width]` mask (built after the scores' product,
+            where it always was: fewer registers live across the wgmma), or None."""
             acc, m_i, l_i = carry
 
             def scores(acc_ref):
@@ -131,7 +132,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
                 sc = pl.run_scoped(scores, plgpu.ACC((bq, k_tile.shape[0]), jnp.float32))
             release_keys()
             if visible is not None:
-                sc = jnp.where(visible, sc, -jnp.inf)
+                sc = jnp.where(visible(), sc, -jnp.inf)
             m_new = jnp.maximum(m_i, sc.max(axis=1) * c)    # c > 0: max(s) * c = max(s * c)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
@@ -167,7 +168,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
                 def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
             return attend(carry, k_smem.at[slot], v_smem.at[slot],
-                          None if visible is None else visible(block),
+                          None if visible is None else lambda: visible(block),
                           lambda: plgpu.barrier_arrive(k_free.at[slot]),
                           lambda: plgpu.barrier_wait(v_ready.at[slot]), wait_next_keys,
                           lambda: plgpu.barrier_arrive(v_free.at[slot]))
@@ -177,7 +178,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             head_visible, _ = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, narrow),
                                                  as_tile)
             plgpu.barrier_wait(head_bar.at[0])
-            return attend(carry, kh_smem, vh_smem, head_visible(head_start // narrow),
+            return attend(carry, kh_smem, vh_smem, lambda: head_visible(head_start // narrow),
                           lambda: None, lambda: plgpu.barrier_wait(head_bar.at[1]),
                           lambda: None, lambda: None)
 
