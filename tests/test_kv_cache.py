@@ -638,6 +638,29 @@ def test_chunked_prefill_through_pallas_kernels(kernels):
     assert_caches_equal(cache, want)
 
 
+@pytest.mark.slow   # about a minute: the Triton kernels interpreted
+def test_chunk_into_some_rows_through_pallas_gpu_kernels():
+    """A chunk for one row of two, in place, through the Pallas GPU kernels (the blocked
+    kernel, and the decode kernel on the row's one-layer view for its last token; Triton's
+    interpreter here) equals the chunk through both rows with no tokens for the other."""
+    cfg = TINY.replace(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=64, num_hidden_layers=2, attention="cca", group_size=4,
+                       window_size=6, implementation="pallas_gpu")
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    state = nnx.split(model)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
+    cache, _ = prefill(model, init_cache(cfg, 2, MAX_LEN), ids[:, :13], [13, 9], chunk_size=8)
+    chunk = jnp.asarray(ids[:, 13:21])
+    whole, whole_logits = prefill_chunk(state, jax.tree.map(jnp.copy, cache), chunk,
+                                        jnp.asarray([0, 8], jnp.int32))
+    some, some_logits = prefill_chunk(state, jax.tree.map(jnp.copy, cache), chunk[1:],
+                                      jnp.asarray([8], jnp.int32),
+                                      rows=jnp.asarray([1], jnp.int32))
+    np.testing.assert_allclose(np.asarray(some_logits)[0], np.asarray(whole_logits)[1],
+                               atol=1e-5)
+    assert_caches_equal(some, whole)
+
+
 @pytest.mark.parametrize("name", ["cca", pytest.param("streaming", marks=pytest.mark.slow)])
 def test_decode_step_through_pallas_gpu_kernel(name):
     """decode_step with the Pallas GPU decode kernel (interpret mode here; the stacked cache
