@@ -638,7 +638,7 @@ def test_chunked_prefill_through_pallas_kernels(kernels):
     assert_caches_equal(cache, want)
 
 
-@pytest.mark.slow   # about a minute: the Triton kernels interpreted
+@pytest.mark.slow   # about 12 s: the Triton kernels interpreted
 def test_chunk_into_some_rows_through_pallas_gpu_kernels():
     """A chunk for one row of two, in place, through the Pallas GPU kernels (the blocked
     kernel, and the decode kernel on the row's one-layer view for its last token; Triton's
