@@ -39,21 +39,6 @@ from cca_jax.padding import round_up
 from cca_jax.rope import rope_cos_sin
 
 DEFAULT_CHUNK_SIZE = 2048
-# A chunk of at most this many tokens (rows x chunk) runs its layers unrolled on a GPU: every
-# weight then a static slice, read in place. The scan copies each layer's weights out of the
-# stack first (at the 7B shape a decode step took 11.9 ms scanned against 7.5 unrolled,
-# benchmarks/results/research/decode_compile_probe_b16_h200.jsonl): a fixed ~4 ms a chunk
-# that the small chunks a serving engine runs between decode steps feel (256 tokens: a chunk
-# of ~20-35 ms) and a 128K prompt does not. Unrolled programs compile slower (XLA compiles
-# every layer: ~50 s at the 7B shape), so larger chunks (`generate`'s 2048) and other
-# backends keep the scan.
-UNROLL_MAX_TOKENS = 512
-
-
-def unrolls(tokens: int) -> bool:
-    """Whether a prefill chunk of `tokens` tokens runs its layers unrolled (the default of
-    `prefill_chunk`: on GPUs, up to `UNROLL_MAX_TOKENS`)."""
-    return jax.default_backend() == "gpu" and tokens <= UNROLL_MAX_TOKENS
 
 
 def _stored(q, k):
@@ -146,8 +131,8 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
 
 
 def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False,
-                   first: bool = False, rows=None, unroll_layers: bool | None = None):
-    unroll = unrolls(ids.size) if unroll_layers is None else unroll_layers
+                   first: bool = False, rows=None, unroll_layers: bool = False):
+    unroll = unroll_layers
     with jax.named_scope("prefill_chunk"):
         if rows is None or not first:   # the rows in place (`rows`: P of the cache's rows)
             return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first,
@@ -279,8 +264,12 @@ cache is donated. `rows` (int `[P]`, distinct): the chunk is for these rows of t
 slots are read and its ring and new slots written in place (with `first`, the P rows' whole
 cache is copied out and back). `first=True` promises every row's cache is empty (the chunk starts at
 position 0): the chunk then runs as the model's own forward does (`run_attention`, cuDNN
-included), with no ring rows in front. `unroll_layers`: run the layers unrolled (weights
-read in place) or scanned (compiles faster); None: `unrolls(rows x chunk)`."""
+included), with no ring rows in front. `unroll_layers`: run the layers unrolled, every weight
+a static slice read in place, instead of scanned, which copies each layer's weights out of
+the stack first (~4 ms a chunk at the 7B shape, by the decode step's 11.9 ms scanned against
+7.5 unrolled: benchmarks/results/research/decode_compile_probe_b16_h200.jsonl) but compiles
+several times faster. A server's small chunks between decode steps want it; a prompt's
+large chunks and `generate` keep the scan."""
 
 
 def _prefill_plan(model, cache: KVCache, input_ids, lengths, chunk_size: int):

@@ -348,17 +348,6 @@ def test_chunk_into_some_rows_equals_the_whole_batch(rows, lengths):
     assert int(np.asarray(some.lengths)[2]) == lengths[2] + (6 if 2 in rows else 0)
 
 
-def test_small_chunks_unroll_on_gpus_only(monkeypatch):
-    """The default of `prefill_chunk`: layers unrolled for chunks of up to
-    `UNROLL_MAX_TOKENS` tokens on a GPU, scanned above it and on every other backend."""
-    from cca_jax import prefill as prefill_module
-    assert not prefill_module.unrolls(256)                     # this CPU
-    monkeypatch.setattr(prefill_module.jax, "default_backend", lambda: "gpu")
-    limit = prefill_module.UNROLL_MAX_TOKENS
-    assert prefill_module.unrolls(256) and prefill_module.unrolls(limit)
-    assert not prefill_module.unrolls(limit + 1)
-
-
 @pytest.mark.parametrize("rows,all_logits", [(None, False), ((1,), False), (None, True)])
 def test_unrolled_prefill_chunk_equals_scanned(rows, all_logits):
     """`prefill_chunk(unroll_layers=True)` (every weight a static slice, read in place: the

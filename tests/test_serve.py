@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import re
 import os
@@ -465,6 +466,21 @@ def test_prompts_prefill_in_small_chunks_only_while_rows_decode(server, model, t
     from cca_jax.serve.engine import EngineConfig
     with pytest.raises(ValueError, match="decode_chunk_size .* must be <= chunk_size"):
         EngineConfig(chunk_size=16, decode_chunk_size=32).check()
+
+
+def test_engine_unrolls_its_small_chunks_on_gpus_only(monkeypatch):
+    """`EngineConfig.unrolls`: on a GPU, prefill chunks of up to `unroll_chunk_tokens`
+    tokens (prefill_rows x chunk) run their layers unrolled; larger ones, every chunk on
+    other backends, and every chunk with 0 keep the scan (`generate` always does)."""
+    from cca_jax.serve import engine
+    cfg = engine.EngineConfig(chunk_size=2048, decode_chunk_size=256)
+    assert not cfg.unrolls(256)                                   # this CPU
+    monkeypatch.setattr(engine.jax, "default_backend", lambda: "gpu")
+    assert cfg.unrolls(256) and cfg.unrolls(512) and not cfg.unrolls(2048)
+    assert not dataclasses.replace(cfg, prefill_rows=4).unrolls(256)   # 1024 tokens
+    assert not dataclasses.replace(cfg, unroll_chunk_tokens=0).unrolls(1)
+    with pytest.raises(ValueError, match="unroll_chunk_tokens must be an int >= 0"):
+        dataclasses.replace(cfg, unroll_chunk_tokens=-1).check()
 
 
 @pytest.mark.parametrize("n", [1, 2])

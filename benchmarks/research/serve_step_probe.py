@@ -10,7 +10,7 @@ float32 model on the CPU). One cache of `--max-batch` rows x `--max-len`, every 
 set to the context (entries zero: the bytes read are those of a full cache), then, per context:
   chunk C      `_prefill_and_sample` of one C-token chunk into row 0 (P = 1: the engine's
                default, read and written in place; layers unrolled on a GPU
-               up to `prefill.UNROLL_MAX_TOKENS`), and the same chunk through `prefill_chunk`
+               up to `EngineConfig.unroll_chunk_tokens`), and the same chunk through `prefill_chunk`
                with its layers "scanned" (each layer's weights copied out of the stack
                first) and "unrolled" (weights read in place);
   decode A     `_decode_and_sample` with A rows active at the context, the rest idle.
@@ -54,7 +54,7 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> 
     from flax import nnx
 
     from cca_jax.prefill import prefill_chunk
-    from cca_jax.serve.engine import _decode_and_sample, _prefill_and_sample
+    from cca_jax.serve.engine import EngineConfig, _decode_and_sample, _prefill_and_sample
     state = nnx.split(model)
     zeros = jnp.zeros((batch,), jnp.int32)
     greedy = (jnp.zeros((batch,), jnp.float32), zeros, jnp.ones((batch,), jnp.float32))
@@ -63,7 +63,8 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> 
         def prefill(cache, chunk=chunk):
             tokens, _, cache = _prefill_and_sample(
                 state, cache, jnp.zeros((1,), jnp.int32), jnp.zeros((1, chunk), jnp.int32),
-                jnp.full((1,), chunk, jnp.int32), zeros[:1], *(x[:1] for x in greedy))
+                jnp.full((1,), chunk, jnp.int32), zeros[:1], *(x[:1] for x in greedy),
+                unroll=EngineConfig().unrolls(chunk))
             return cache, tokens
         calls[f"chunk {chunk}"] = Program(holder, context, prefill)
 
