@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -481,6 +482,19 @@ def test_engine_unrolls_its_small_chunks_on_gpus_only(monkeypatch):
     assert not dataclasses.replace(cfg, unroll_chunk_tokens=0).unrolls(1)
     with pytest.raises(ValueError, match="unroll_chunk_tokens must be an int >= 0"):
         dataclasses.replace(cfg, unroll_chunk_tokens=-1).check()
+    # and the engine's prefill program is called so
+    calls = []
+
+    def program(*args, unroll):
+        calls.append((args[3].shape, unroll))
+        return np.zeros(args[3].shape[0], np.int32), None, args[1]
+    monkeypatch.setattr(engine, "_prefill_and_sample", program)
+    fake = types.SimpleNamespace(config=cfg, mesh=None, _model_state=None, _cache=None)
+    fake._settings = lambda seqs: engine.Engine._settings(fake, seqs)
+    for chunk in (256, 2048):
+        engine.Engine._run_prefill(fake, None, np.zeros((1, chunk), np.int32),
+                                   np.zeros(1, np.int32), [None])
+    assert calls == [((1, 256), True), ((1, 2048), False)]
 
 
 @pytest.mark.parametrize("n", [1, 2])
