@@ -132,15 +132,14 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
 
 def _prefill_chunk(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False,
                    first: bool = False, rows=None, unroll_layers: bool = False):
-    unroll = unroll_layers
     with jax.named_scope("prefill_chunk"):
         if rows is None or not first:   # the rows in place (`rows`: P of the cache's rows)
             return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first,
-                                       unroll, rows)
+                                       unroll_layers, rows)
         sub = cache.replace(k=cache.k[:, rows], v=cache.v[:, rows], ck=cache.ck[:, rows],
                             cv=cache.cv[:, rows], lengths=cache.lengths[rows])
         sub, *logits = _prefill_chunk_body(model_state, sub, ids, n_valid, all_logits, first,
-                                           unroll)
+                                           unroll_layers)
         cache = cache.replace(k=cache.k.at[:, rows].set(sub.k), v=cache.v.at[:, rows].set(sub.v),
                               ck=cache.ck.at[:, rows].set(sub.ck),
                               cv=cache.cv.at[:, rows].set(sub.cv),
