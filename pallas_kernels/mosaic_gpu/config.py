@@ -65,6 +65,15 @@ class MosaicConfig(NamedTuple):
         return max(self.cta_rows, self.block_kv)
 
 
+def _check_narrow(cfg) -> None:
+    """ValueError naming the choices unless `cfg.narrow_block` is 0 or a narrow head width
+    below `cfg.block_kv` (the forward's and the dq kernel's configs alike)."""
+    if isinstance(cfg.narrow_block, bool) or cfg.narrow_block not in NARROW_CHOICES \
+            or not cfg.narrow_block < cfg.block_kv:
+        raise ValueError(f"narrow_block must be 0 (off) or one of {NARROW_CHOICES[1:]} below "
+                         f"block_kv={cfg.block_kv}, got {cfg.narrow_block!r}.")
+
+
 def _choice(name: str, value, choices) -> None:
     if isinstance(value, bool) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
@@ -77,10 +86,7 @@ def check_config(cfg: MosaicConfig) -> MosaicConfig:
     _choice("compute_wgs", cfg.compute_wgs, (1, 2))
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
-    if isinstance(cfg.narrow_block, bool) or cfg.narrow_block not in NARROW_CHOICES \
-            or not cfg.narrow_block < cfg.block_kv:
-        raise ValueError(f"narrow_block must be 0 (off) or one of {NARROW_CHOICES[1:]} below "
-                         f"block_kv={cfg.block_kv}, got {cfg.narrow_block!r}.")
+    _check_narrow(cfg)
     for name in ("schedule_barrier", "heavy_first"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
@@ -185,10 +191,7 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
     if not isinstance(cfg.split_keys, bool):
         raise ValueError(f"split_keys must be a bool, got {cfg.split_keys!r}.")
-    if isinstance(cfg.narrow_block, bool) or cfg.narrow_block not in NARROW_CHOICES \
-            or not cfg.narrow_block < cfg.block_kv:
-        raise ValueError(f"narrow_block must be 0 (off) or one of {NARROW_CHOICES[1:]} below "
-                         f"block_kv={cfg.block_kv}, got {cfg.narrow_block!r}.")
+    _check_narrow(cfg)
     if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
             or cfg.softmax_head_dim < 0:
         raise ValueError(f"softmax_head_dim must be an int >= 0, got {cfg.softmax_head_dim!r}.")

@@ -182,9 +182,8 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # ring slot released
     )
     if cfg.narrow_block:
-        n, itemsize = cfg.narrow_block, jnp.dtype(q.dtype).itemsize
-        narrow_swizzle = (plgpu.TilingTransform((8, 32 // itemsize)),
-                          plgpu.SwizzleTransform(32))
+        n = cfg.narrow_block
+        narrow_swizzle = pipeline.narrow_transforms(jnp.dtype(q.dtype).itemsize)
         scratch += (plgpu.SMEM((n, d), q.dtype, transforms=transforms),      # K head (for S)
                     plgpu.SMEM((n, d), q.dtype, transforms=narrow_swizzle),  # K head (dS K)
                     plgpu.SMEM((n, d), q.dtype, transforms=transforms),      # V head

@@ -303,9 +303,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
         # contraction of one swizzle width at least: the V head tile uses the narrowest
         # swizzle (32 bytes: 16 keys); the K head is the B operand of Q K^T (contracting
         # over D), so it keeps the ring's swizzle.
-        itemsize = jnp.dtype(q.dtype).itemsize
-        narrow_swizzle = (plgpu.TilingTransform((8, 32 // itemsize)),
-                          plgpu.SwizzleTransform(32))
+        narrow_swizzle = pipeline.narrow_transforms(jnp.dtype(q.dtype).itemsize)
         scratch += (plgpu.SMEM((cfg.narrow_block, d), q.dtype, transforms=transforms),  # K head
                     plgpu.SMEM((cfg.narrow_block, d), q.dtype,
                                transforms=narrow_swizzle),                         # V head

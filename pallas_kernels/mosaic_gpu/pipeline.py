@@ -35,6 +35,13 @@ def smem_transforms(head_dim: int, itemsize: int = 2) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def narrow_transforms(itemsize: int = 2) -> tuple:
+    """The shared-memory tiling of a tile that is the B operand of a product contracting
+    over its rows when those are a narrow head's 16 keys: wgmma contracts over at least one
+    swizzle width, so the narrowest swizzle (32 bytes: 16 elements of 16 bits)."""
+    return (plgpu.TilingTransform((8, 32 // itemsize)), plgpu.SwizzleTransform(32))
+
+
 def layouts(interpreted: bool):
     """(tile, rows, cols) casts: a wgmma tile's layout, and the layouts of vectors along its
     rows (one value per row: broadcast over columns) and along its columns. The GPU
