@@ -89,9 +89,10 @@ def test_wide_head_dims_lower_for_cuda(d, m, kernels):
 
 def test_gradient_lowers_for_cuda_at_every_backward_tiling():
     """float16, D = 64, no GQA, L = 1000: one consumer warpgroup, a deeper ring, wide steps
-    and wide dq rows (every backward setting off its default) still lower."""
+    and wide dq rows, S and dP issued together (every backward setting off its default)
+    still lower."""
     tilings = [dict(compute_wgs=1, stages=3, block_kv=128, key_block_q=128),
-               dict(block_q=128, stages=4)]
+               dict(block_q=128, stages=4, paired_scores=True)]
     for tiling in tilings:
         text = _lowered_text("float16", 64, 4, 4, 1000, 45, grad=True, backward="mosaic",
                              backward_tiling=tiling)

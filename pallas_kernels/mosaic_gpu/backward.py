@@ -12,13 +12,72 @@ each with `cfg.split_keys`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig
 from pallas_kernels.mosaic_gpu.dq import dq as dq_kernel
 from pallas_kernels.mosaic_gpu.keys import key_grads
-from pallas_kernels.mosaic_gpu.tables import key_visit_tables, visit_tables
+from pallas_kernels.mosaic_gpu.tables import VisitTables, key_visit_tables, visit_tables
+
+
+class BackwardOperands(NamedTuple):
+    """The three kernels' inputs: rows and slots padded, stats `[B, Hq, 2, Lp]` float32
+    (log2-sum-exp, delta), bounds `[B, 3, Lp]`, the forward's visit tables (dq's) and the
+    key side's for raw keys and for slots."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    ck: jax.Array
+    cv: jax.Array
+    dout: jax.Array
+    stats: jax.Array
+    bounds: jax.Array
+    query_tables: VisitTables
+    raw_tables: VisitTables
+    slot_tables: VisitTables
+
+
+def backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
+                      cfg: MosaicBackwardConfig) -> BackwardOperands:
+    """The host side of `mosaic_backward` (XLA): padding, delta, tables."""
+    length, m = q.shape[1], ck.shape[1]
+    lp = round_up(length, cfg.row_multiple)
+    mp = round_up(max(m, 1), cfg.slot_multiple)
+    rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
+    rows = ((0, 0), (0, 0), (0, lp - length))
+    stats = jnp.stack([jnp.pad(lse[..., :length].astype(jnp.float32), rows),
+                       jnp.pad(softmax_delta(dout, out), rows)], axis=2)   # [B, Hq, 2, Lp]
+    raw, slots = key_visit_tables(rlo, clo, chi, mp, key_rows=KEY_ROWS,
+                                  compute_wgs=cfg.compute_wgs, block_q=cfg.key_block_q)
+    return BackwardOperands(
+        *(pad_rows(x, lp) for x in (q, k, v)), pad_rows(ck, mp), pad_rows(cv, mp),
+        pad_rows(dout.astype(q.dtype), lp), stats, jnp.stack([rlo, clo, chi], axis=1),
+        visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
+                     block_kv=cfg.block_kv, narrow=cfg.narrow_block), raw, slots)
+
+
+def query_grads(ops: BackwardOperands, cfg: MosaicBackwardConfig, interpret=None):
+    """dq `[B, Lp, Hq, D]` (the dq kernel)."""
+    return dq_kernel(ops.q, ops.k, ops.v, ops.ck, ops.cv, ops.dout, ops.stats, ops.bounds,
+                     ops.query_tables.cta, ops.query_tables.wg, cfg, interpret=interpret)
+
+
+def keys_and_values(ops: BackwardOperands, kind: str, cfg: MosaicBackwardConfig,
+                    interpret=None):
+    """(dK, dV) of the raw keys (`kind="raw"`, `[B, Lp, Hkv, D]`) or of the slots
+    (`"core"`, `[B, Mp, Hq, D]`): one kernel, or one each with `cfg.split_keys`."""
+    keys, values, tables = ((ops.k, ops.v, ops.raw_tables) if kind == "raw"
+                            else (ops.ck, ops.cv, ops.slot_tables))
+    args = (ops.q, ops.dout, ops.stats, ops.bounds, keys, values, tables.cta, tables.wg,
+            kind, cfg)
+    if not cfg.split_keys:
+        return key_grads(*args, interpret=interpret)
+    return (key_grads(*args, interpret=interpret, outputs=("dk",))[0],
+            key_grads(*args, interpret=interpret, outputs=("dv",))[0])
 
 
 def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
@@ -28,32 +87,11 @@ def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
     float32: the forward's log2-sum-exp of the scaled scores (values past L are ignored).
     `interpret`: None, or the GPU interpreter's params (runs the kernels on the CPU)."""
     length, m = q.shape[1], ck.shape[1]
-    lp = round_up(length, cfg.row_multiple)
-    mp = round_up(max(m, 1), cfg.slot_multiple)
-    rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
-    rows = ((0, 0), (0, 0), (0, lp - length))
-    stats = jnp.stack([jnp.pad(lse[..., :length].astype(jnp.float32), rows),
-                       jnp.pad(softmax_delta(dout, out), rows)], axis=2)   # [B, Hq, 2, Lp]
-    bounds = jnp.stack([rlo, clo, chi], axis=1)                              # [B, 3, Lp]
-    qp, kp, vp = (pad_rows(x, lp) for x in (q, k, v))
-    dop = pad_rows(dout.astype(q.dtype), lp)
-    ckp, cvp = pad_rows(ck, mp), pad_rows(cv, mp)
-    fwd = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
-                       block_kv=cfg.block_kv, narrow=cfg.narrow_block)
-    raw, slots = key_visit_tables(rlo, clo, chi, mp, key_rows=KEY_ROWS,
-                                  compute_wgs=cfg.compute_wgs, block_q=cfg.key_block_q)
-    dq = dq_kernel(qp, kp, vp, ckp, cvp, dop, stats, bounds, fwd.cta, fwd.wg, cfg,
-                   interpret=interpret)
-
-    def keys_and_values(keys, values, tables, kind):
-        args = (qp, dop, stats, bounds, keys, values, tables.cta, tables.wg, kind, cfg)
-        if not cfg.split_keys:
-            return key_grads(*args, interpret=interpret)
-        return (key_grads(*args, interpret=interpret, outputs=("dk",))[0],
-                key_grads(*args, interpret=interpret, outputs=("dv",))[0])
-    dk, dv = keys_and_values(kp, vp, raw, "raw")
+    ops = backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, cfg)
+    dq = query_grads(ops, cfg, interpret)
+    dk, dv = keys_and_values(ops, "raw", cfg, interpret)
     if m == 0:
         dck, dcv = jnp.zeros_like(ck), jnp.zeros_like(cv)
     else:
-        dck, dcv = keys_and_values(ckp, cvp, slots, "core")
+        dck, dcv = keys_and_values(ops, "core", cfg, interpret)
     return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m])

@@ -153,6 +153,8 @@ class MosaicBackwardConfig(NamedTuple):
         recomputes the scores: one more product per step) where both would not fit a
         thread's registers: D = 256.
     narrow_block: dq kernel: keys of its narrow head (the forward's `narrow_block`); 0: off.
+    paired_scores: dq kernel: issue S = Q K^T and dP = dO V^T together before one wait,
+        instead of one after the other (`pipeline.two_scores`).
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -162,6 +164,7 @@ class MosaicBackwardConfig(NamedTuple):
     compute_wgs: int = 2
     split_keys: bool = False
     narrow_block: int = 16
+    paired_scores: bool = False
     softmax_head_dim: int = 0
 
     @property
@@ -189,8 +192,9 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
     _choice("compute_wgs", cfg.compute_wgs, (1, 2))
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
-    if not isinstance(cfg.split_keys, bool):
-        raise ValueError(f"split_keys must be a bool, got {cfg.split_keys!r}.")
+    for name in ("split_keys", "paired_scores"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
     _check_narrow(cfg)
     if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
             or cfg.softmax_head_dim < 0:

@@ -80,11 +80,15 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
             """dQ += dS K over the keys of one step's tiles (`k_rows`: K laid out for the
             dS K product); `visible()` the mask of the step's scores (built after their
             product, as before the head existed), or None."""
-            sc = pipeline.scores(q_tile, k_tile, interpreted)
+            if cfg.paired_scores:
+                sc, dp = pipeline.two_scores(q_tile, k_tile, do_tile, v_tile, interpreted)
+            else:
+                sc = pipeline.scores(q_tile, k_tile, interpreted)
             if visible is not None:
                 sc = jnp.where(visible(), sc, -jnp.inf)
             p = jnp.exp2(sc * c - lax.broadcast_in_dim(lse, sc.shape, [0]))
-            dp = pipeline.scores(do_tile, v_tile, interpreted)
+            if not cfg.paired_scores:
+                dp = pipeline.scores(do_tile, v_tile, interpreted)
             ds = p * (dp - lax.broadcast_in_dim(delta, sc.shape, [0]))
             return pipeline.accumulate(dq, ds.astype(q_ref.dtype), k_rows, interpreted)
 

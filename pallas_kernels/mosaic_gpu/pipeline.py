@@ -68,6 +68,21 @@ def scores(a_smem, b_smem, interpreted: bool):
     return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
+def two_scores(a_smem, b_smem, c_smem, d_smem, interpreted: bool):
+    """(float32 `a @ b.T`, float32 `c @ d.T`) of shared-memory tiles: on the GPU both
+    wgmmas are issued before one wait (the dq step's S = Q K^T and dP = dO V^T); under the
+    interpreter two `scores`."""
+    if interpreted:
+        return scores(a_smem, b_smem, True), scores(c_smem, d_smem, True)
+
+    def products(first_ref, second_ref):
+        plgpu.wgmma(first_ref, a_smem, b_smem.transpose((1, 0)))
+        plgpu.wgmma(second_ref, c_smem, d_smem.transpose((1, 0)))
+        return first_ref[...], second_ref[...]
+    return pl.run_scoped(products, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32),
+                         plgpu.ACC((c_smem.shape[0], d_smem.shape[0]), jnp.float32))
+
+
 def accumulate(acc, a, b_smem, interpreted: bool):
     """`acc + a @ b` with `a` in registers `[M, K]` (the operand dtype) and `b` a
     shared-memory tile `[K, N]`: wgmma accumulating in place, or (interpreter: no run_state

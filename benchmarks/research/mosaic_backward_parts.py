@@ -1,0 +1,133 @@
+"""Where the Mosaic GPU backward's time goes: each of its kernels timed alone, round-robin.
+
+    python benchmarks/research/mosaic_backward_parts.py [--length 131072] [--hkv 8,32]
+        [--sinks 0] [--backward-tilings '[{}, {"paired_scores": true}]']
+
+On prepared inputs (q, k, v, the pooled slots and row bounds of `slots_and_bounds`, the
+Mosaic forward's output and log2-sum-exp, a fixed cotangent; B = 1, Hq = 32, D = 128, CCA
+g = 16, s = 1024, bf16), per backward tiling: the forward kernel, the backward's host side
+(padding, delta, tables: `backward.backward_operands`), the dq kernel, the dk/dv kernel
+(raw keys), the dck/dcv kernel (slots), and the whole backward (`mosaic_backward`). Every
+program is compiled first, then all are timed one call each per round (median over
+--rounds). TFLOP/s count each kernel's products over the scores its rows see: forward 2
+(S, PV), dq 3 (S, dP, dS K), dk/dv and dck/dcv 4 (S^T, P^T dO, V dO^T, dS^T Q), over the
+raw (key side: raw keys) or slot (slots) scores of `raw_lo, core_lo, core_hi`. Writes
+`<out>.json` (stamped records) and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
+from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
+from cca_jax.blocks import CCA  # noqa: E402
+
+
+def _visible(raw_lo, core_lo, core_hi) -> tuple[int, int]:
+    """(raw, slot) scores the rows see, per query head and batch row."""
+    rows = jnp.arange(raw_lo.shape[-1])
+    raw = jnp.sum((rows - raw_lo + 1).astype(jnp.float32))
+    core = jnp.sum((core_hi - core_lo).astype(jnp.float32))
+    return int(raw), int(core)
+
+
+def _programs(cfg, interpret=None) -> dict:
+    """part -> jitted fn of (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout)."""
+    from pallas_kernels.mosaic_gpu import backward as bw
+
+    def operands(*a):
+        return bw.backward_operands(*a, cfg)
+    parts = {
+        "host": operands,
+        "dq": lambda *a: bw.query_grads(operands(*a), cfg, interpret),
+        "dk/dv": lambda *a: bw.keys_and_values(operands(*a), "raw", cfg, interpret),
+        "dck/dcv": lambda *a: bw.keys_and_values(operands(*a), "core", cfg, interpret),
+        "backward": lambda *a: bw.mosaic_backward(*a, cfg, interpret=interpret),
+    }
+    return {name: jax.jit(fn) for name, fn in parts.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--hkv", default="8,32")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--s", type=int, default=1024)
+    ap.add_argument("--sinks", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--backward-tilings", default='[{}, {"paired_scores": true}]',
+                    help="JSON list of MosaicBackwardConfig overrides, each timed")
+    ap.add_argument("--interpret", action="store_true",
+                    help="run the kernels in jax's GPU interpreter (a CPU check; tiny shapes)")
+    ap.add_argument("--out", default="benchmarks/results/research/mosaic_backward_parts_h200")
+    args = ap.parse_args(argv)
+    from pallas_kernels.mosaic_gpu.interpret import interpret_params
+    interpret = interpret_params(args.interpret or None)
+    from pallas_kernels.mosaic_gpu.api import _forward
+    from pallas_kernels.mosaic_gpu.config import mosaic_backward_config, mosaic_config
+    pattern = CCA(args.g, args.s, args.sinks)
+    fwd_cfg = mosaic_config(head_dim=args.d)
+    base = stamp(argv)
+    records, calls, inputs_of = [], {}, {}
+    for hkv in map(int, args.hkv.split(",")):
+        keys = jax.random.split(jax.random.key(hkv), 4)
+        q = jax.random.normal(keys[0], (1, args.length, args.hq, args.d), jnp.bfloat16)
+        k, v = (jax.random.normal(x, (1, args.length, hkv, args.d), jnp.bfloat16)
+                for x in keys[1:3])
+        ck, cv, *bounds = jax.jit(lambda q, k, v: slots_and_bounds(q, k, v, pattern))(q, k, v)
+        bounds = [b.astype(jnp.int32) for b in bounds]
+        forward = jax.jit(lambda *a: _forward(*a, fwd_cfg, interpret))
+        fwd_inputs = (q, k, v, ck, cv, *bounds)
+        out, lse = forward(*fwd_inputs)
+        dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+        bwd_inputs = jax.block_until_ready((q, k, v, ck, cv, *bounds, out, lse, dout))
+        raw, core = _visible(*(b[0] for b in bounds))
+        flops = {"forward": 4 * (raw + core), "dq": 6 * (raw + core), "dk/dv": 8 * raw,
+                 "dck/dcv": 8 * core, "backward": 14 * (raw + core), "host": 0}
+        tilings = [("forward", "", forward, fwd_inputs)]
+        for tiling in json.loads(args.backward_tilings):
+            cfg = mosaic_backward_config(head_dim=args.d, **tiling)
+            label = ",".join(f"{k}={v}" for k, v in sorted(tiling.items()))
+            tilings += [(part, label, fn, bwd_inputs) for part, fn in _programs(cfg, interpret).items()]
+        for part, label, fn, inputs in tilings:
+            key = (hkv, part, label)
+            rec = dict(base, part=part, backward_tiling=label, L=args.length, hq=args.hq,
+                       hkv=hkv, d=args.d, g=args.g, s=args.s, sink_tokens=args.sinks, b=1,
+                       dtype="bfloat16", flops=flops[part] * args.d * args.hq)
+            try:
+                calls[key] = (fn.lower(*inputs).compile(), inputs)
+            except Exception as e:  # noqa: BLE001  (record and go on)
+                rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                print(f"{key}: {rec['error']}", flush=True)
+            records.append(rec)
+    medians = round_robin(calls, args.rounds)
+    rows = ["| Hkv | part | backward tiling | ms | TFLOP/s |", "| --- | --- | --- | --- | --- |"]
+    for rec in records:
+        key = (rec["hkv"], rec["part"], rec["backward_tiling"])
+        if key not in medians:
+            rows.append(f"| {key[0]} | {key[1]} | {key[2]} | error | |")
+            continue
+        rec["ms"] = medians[key]
+        rec["tflops"] = rec["flops"] / rec["ms"] / 1e9 if rec["flops"] else None
+        tf = f"{rec['tflops']:.0f}" if rec["tflops"] else ""
+        rows.append(f"| {key[0]} | {key[1]} | {key[2] or 'defaults'} | {rec['ms']:.2f} | {tf} |")
+    header = (f"The Mosaic GPU backward by kernel, round-robin in one process: L = {args.length}, "
+              f"Hq = {args.hq}, D = {args.d}, CCA g = {args.g}, s = {args.s}, "
+              f"sinks = {args.sinks}, bf16, B = 1; {base['device']}, jax {base['jax']}, "
+              f"{base['date']}, commit {base['commit']}\nCommand: `{base['command']}`\n\n")
+    write_results(args.out, records, header + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
