@@ -40,6 +40,48 @@ def _visible(raw_lo, core_lo, core_hi) -> tuple[int, int]:
     return int(raw), int(core)
 
 
+def _pool_cca_mulsum(q_last, k_members, v_members):
+    """`pooling._pool_cca` as broadcast-multiply-sums (one fused reduction each in XLA)
+    instead of einsums (batched products of 16 x 128 tiles)."""
+    f32 = jnp.float32
+    kt, vt = (x.astype(f32).transpose(0, 1, 3, 2, 4) for x in (k_members, v_members))
+    scale = 1.0 / q_last.shape[-1] ** 0.5
+    logits = jnp.sum(q_last.astype(f32)[:, :, :, :, None, :] * kt[:, :, :, None], axis=-1)
+    a = jax.nn.softmax(logits * scale, axis=-1)[..., None]         # [b, m, h, G, g, 1]
+    return (jnp.sum(a * kt[:, :, :, None], axis=-2), jnp.sum(a * vt[:, :, :, None], axis=-2))
+
+
+def _pooling_programs(pattern) -> dict:
+    """part -> jitted fn of (q, k, v, dck, dcv): the slots of `slots_and_bounds` (`pooling`),
+    and with their vjp to q, k, v (`pooling+vjp`), as the library pools them (einsums) and as
+    `_pool_cca_mulsum` would."""
+    from cca_jax.attention import pooling as pl_mod
+
+    def slots(variant):
+        def fn(q, k, v):
+            if variant == "einsum":
+                return tuple(pl_mod.slots_and_bounds(q, k, v, pattern)[:2])
+            m = pattern.max_slots(q.shape[1], packed=False)
+            b, _, hq, d = q.shape
+            g, hkv = pattern.slot_size, k.shape[2]
+            km, vm = (pl_mod.group_members(x, None, m, g) for x in (k, v))
+            q_last = q[:, g - 1: m * g: g].reshape(b, m, hkv, hq // hkv, d)
+            ck, cv = _pool_cca_mulsum(q_last, km, vm)
+            return (ck.reshape(b, m, hq, d).astype(k.dtype), cv.reshape(b, m, hq, d).astype(v.dtype))
+        return fn
+
+    parts = {}
+    for variant in ("einsum", "mulsum"):
+        fn = slots(variant)
+        parts[f"pooling[{variant}]"] = jax.jit(lambda q, k, v, dck, dcv, fn=fn: fn(q, k, v))
+
+        def with_vjp(q, k, v, dck, dcv, fn=fn):
+            out, pull = jax.vjp(fn, q, k, v)
+            return out, pull((dck, dcv))
+        parts[f"pooling+vjp[{variant}]"] = jax.jit(with_vjp)
+    return parts
+
+
 def _programs(cfg, interpret=None) -> dict:
     """part -> jitted fn of (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout)."""
     from pallas_kernels.mosaic_gpu import backward as bw
@@ -94,8 +136,14 @@ def main(argv=None):
         bwd_inputs = jax.block_until_ready((q, k, v, ck, cv, *bounds, out, lse, dout))
         raw, core = _visible(*(b[0] for b in bounds))
         flops = {"forward": 4 * (raw + core), "dq": 6 * (raw + core), "dk/dv": 8 * raw,
-                 "dck/dcv": 8 * core, "backward": 14 * (raw + core), "host": 0}
+                 "dck/dcv": 8 * core, "backward": 14 * (raw + core)}
         tilings = [("forward", "", forward, fwd_inputs)]
+        if pattern.lead_slots == 0:
+            dck, dcv = (jax.random.normal(x, ck.shape, ck.dtype)
+                        for x in jax.random.split(keys[3], 2))
+            pool_inputs = (q, k, v, dck, dcv)
+            tilings += [(part, "", fn, pool_inputs)
+                        for part, fn in _pooling_programs(pattern).items()]
         for tiling in json.loads(args.backward_tilings):
             cfg = mosaic_backward_config(head_dim=args.d, **tiling)
             label = ",".join(f"{k}={v}" for k, v in sorted(tiling.items()))
@@ -104,7 +152,7 @@ def main(argv=None):
             key = (hkv, part, label)
             rec = dict(base, part=part, backward_tiling=label, L=args.length, hq=args.hq,
                        hkv=hkv, d=args.d, g=args.g, s=args.s, sink_tokens=args.sinks, b=1,
-                       dtype="bfloat16", flops=flops[part] * args.d * args.hq)
+                       dtype="bfloat16", flops=flops.get(part, 0) * args.d * args.hq)
             try:
                 calls[key] = (fn.lower(*inputs).compile(), inputs)
             except Exception as e:  # noqa: BLE001  (record and go on)
