@@ -618,10 +618,10 @@ def test_gpu_backward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed
 @needs_hopper
 @pytest.mark.parametrize("backward_tiling", [
     dict(compute_wgs=1), dict(stages=2), dict(block_kv=128, key_block_q=128, stages=2),
-    dict(block_q=128, stages=3, compute_wgs=1)])
+    dict(block_q=128, stages=3, compute_wgs=1), dict(paired_scores=True)])
 def test_gpu_every_backward_tiling_matches_float64(backward_tiling):
     """The backward config's other settings (one consumer warpgroup, a shallower ring, wide
-    steps, wide dq rows) on packed CCA, bf16, D = 128, GQA."""
+    steps, wide dq rows, S and dP issued together) on packed CCA, bf16, D = 128, GQA."""
     from tests.row_errors import row_max_error
     pattern = blocks.CCA(16, 100)
     q, k, v, ct = _inputs(1, 777, 4, 2, 128, jnp.bfloat16, seed=3)
