@@ -41,33 +41,40 @@ def _visible(raw_lo, core_lo, core_hi) -> tuple[int, int]:
 
 
 def _pool_cca_mulsum(q_last, k_members, v_members):
-    """`pooling._pool_cca` as broadcast-multiply-sums (one fused reduction each in XLA)
-    instead of einsums (batched products of 16 x 128 tiles)."""
+    """`pooling._pool_cca` as broadcast-multiply-sums over the members' own layout (one
+    fused reduction each in XLA, which can also take a slice of k, v as its input) instead
+    of einsums (batched products of 16 x 128 tiles, operands materialized)."""
     f32 = jnp.float32
-    kt, vt = (x.astype(f32).transpose(0, 1, 3, 2, 4) for x in (k_members, v_members))
+    km, vm = k_members.astype(f32), v_members.astype(f32)          # [b, m, g, h, d]
     scale = 1.0 / q_last.shape[-1] ** 0.5
-    logits = jnp.sum(q_last.astype(f32)[:, :, :, :, None, :] * kt[:, :, :, None], axis=-1)
-    a = jax.nn.softmax(logits * scale, axis=-1)[..., None]         # [b, m, h, G, g, 1]
-    return (jnp.sum(a * kt[:, :, :, None], axis=-2), jnp.sum(a * vt[:, :, :, None], axis=-2))
+    # [b, m, 1, h, G, d] * [b, m, g, h, 1, d] -> sum over d: [b, m, g, h, G]
+    logits = jnp.sum(q_last.astype(f32)[:, :, None] * km[:, :, :, :, None], axis=-1)
+    a = jax.nn.softmax(logits * scale, axis=2)[..., None]           # [b, m, g, h, G, 1]
+    return (jnp.sum(a * km[:, :, :, :, None], axis=2), jnp.sum(a * vm[:, :, :, :, None], axis=2))
 
 
 def _pooling_programs(pattern) -> dict:
     """part -> jitted fn of (q, k, v, dck, dcv): the slots of `slots_and_bounds` (`pooling`),
     and with their vjp to q, k, v (`pooling+vjp`), as the library pools them (einsums) and as
-    `_pool_cca_mulsum` would."""
+    `_pool_cca_mulsum` would (sinks: copies of the first rows, as the library's)."""
     from cca_jax.attention import pooling as pl_mod
 
     def slots(variant):
         def fn(q, k, v):
             if variant == "einsum":
                 return tuple(pl_mod.slots_and_bounds(q, k, v, pattern)[:2])
-            m = pattern.max_slots(q.shape[1], packed=False)
+            lead, g = pattern.lead_slots, pattern.slot_size
+            m = pattern.max_slots(q.shape[1], packed=False) - lead
             b, _, hq, d = q.shape
-            g, hkv = pattern.slot_size, k.shape[2]
-            km, vm = (pl_mod.group_members(x, None, m, g) for x in (k, v))
-            q_last = q[:, g - 1: m * g: g].reshape(b, m, hkv, hq // hkv, d)
-            ck, cv = _pool_cca_mulsum(q_last, km, vm)
-            return (ck.reshape(b, m, hq, d).astype(k.dtype), cv.reshape(b, m, hq, d).astype(v.dtype))
+            hkv = k.shape[2]
+            km, vm = (x[:, lead: lead + m * g].reshape(b, m, g, hkv, d) for x in (k, v))
+            q_last = q[:, lead + g - 1: lead + m * g: g].reshape(b, m, hkv, hq // hkv, d)
+            ck, cv = (x.reshape(b, m, hq, d) for x in _pool_cca_mulsum(q_last, km, vm))
+            if lead:
+                groups = hq // hkv
+                ck = jnp.concatenate([jnp.repeat(k[:, :lead], groups, axis=2), ck], axis=1)
+                cv = jnp.concatenate([jnp.repeat(v[:, :lead], groups, axis=2), cv], axis=1)
+            return ck.astype(k.dtype), cv.astype(v.dtype)
         return fn
 
     parts = {}
@@ -138,12 +145,10 @@ def main(argv=None):
         flops = {"forward": 4 * (raw + core), "dq": 6 * (raw + core), "dk/dv": 8 * raw,
                  "dck/dcv": 8 * core, "backward": 14 * (raw + core)}
         tilings = [("forward", "", forward, fwd_inputs)]
-        if pattern.lead_slots == 0:
-            dck, dcv = (jax.random.normal(x, ck.shape, ck.dtype)
-                        for x in jax.random.split(keys[3], 2))
-            pool_inputs = (q, k, v, dck, dcv)
-            tilings += [(part, "", fn, pool_inputs)
-                        for part, fn in _pooling_programs(pattern).items()]
+        dck, dcv = (jax.random.normal(x, ck.shape, ck.dtype)
+                    for x in jax.random.split(keys[3], 2))
+        tilings += [(part, "", fn, (q, k, v, dck, dcv))
+                    for part, fn in _pooling_programs(pattern).items()]
         for tiling in json.loads(args.backward_tilings):
             cfg = mosaic_backward_config(head_dim=args.d, **tiling)
             label = ",".join(f"{k}={v}" for k, v in sorted(tiling.items()))
