@@ -11,7 +11,8 @@ program is compiled first, then all are timed one call each per round (median ov
 pooling, bounds and the kernels), bf16, B = 1, Hq = 32, D = 128, CCA g = 16, s = 1024;
 `fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v. Writes `<out>.json` (records stamped
 with commit, device, jax, date, command) and `<out>.md` (each time and its ratio to the same
-implementation and mode without sinks).
+implementation and mode without sinks, and the largest relative L2 of its output (fwd) or
+gradients (fwd+bwd) against the first implementation's at the same sinks).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from benchmarks.measure import rel_l2, round_robin, stamp, write_results  # noqa: E402
 from cca_jax.attention import run_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -81,17 +82,30 @@ def main(argv=None):
                                        f"{rec['compile_s']} s"), flush=True)
                 records.append(rec)
     medians = round_robin({key: (fn, inputs) for key, fn in calls.items()}, args.rounds)
-    rows = ["| impl | mode | sinks | ms | x no sinks |", "| --- | --- | --- | --- | --- |"]
+    # The implementations' outputs against the first one's (same sinks, mode): a numerics
+    # check of the timed programs themselves (the narrow heads run only with sinks).
+    impls = args.impls.split(",")
+    for rec in records:
+        key, ref = (rec["impl"], rec["sink_tokens"], rec["mode"]), (impls[0],) + \
+            (rec["sink_tokens"], rec["mode"])
+        if rec["impl"] != impls[0] and key in calls and ref in calls:
+            got, want = calls[key](*inputs), calls[ref](*inputs)
+            rec[f"rel_l2_vs_{impls[0]}"] = max(
+                rel_l2(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    rows = [f"| impl | mode | sinks | ms | x no sinks | rel L2 vs {impls[0]} |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for rec in records:
         key = (rec["impl"], rec["sink_tokens"], rec["mode"])
         if key not in medians:
-            rows.append(f"| {key[0]} | {key[2]} | {key[1]} | error | |")
+            rows.append(f"| {key[0]} | {key[2]} | {key[1]} | error | | |")
             continue
         rec["ms"] = medians[key]
         plain = medians.get((rec["impl"], 0, rec["mode"]))
         rec["x_no_sinks"] = rec["ms"] / plain if plain else None
         ratio = "" if plain is None else f"{rec['x_no_sinks']:.4f}"
-        rows.append(f"| {key[0]} | {key[2]} | {key[1]} | {rec['ms']:.2f} | {ratio} |")
+        err = rec.get(f"rel_l2_vs_{impls[0]}")
+        rows.append(f"| {key[0]} | {key[2]} | {key[1]} | {rec['ms']:.2f} | {ratio} | "
+                    f"{'' if err is None else f'{err:.1e}'} |")
     header = (f"CCA with and without sinks, round-robin in one process: L = {args.length}, "
               f"Hq = {args.hq}, Hkv = {args.hkv}, D = {args.d}, g = {args.g}, s = {args.s}, "
               f"bf16; {base['device']}, jax {base['jax']}, {base['date']}, commit "
