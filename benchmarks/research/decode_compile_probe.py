@@ -14,6 +14,9 @@ Variants:
   base           the decode step as `decode_step` compiles it (pool_slots=True)
   no_pool        the step without pooling (the other program)
   no_autotune    base with XLA's GEMM autotuning off (xla_gpu_autotune_level=0)
+  no_remat       base without XLA's rematerialization pass (xla_disable_hlo_passes): at
+                 the 7B shape it counts a serving program's memory at twice what runs and
+                 removes nothing (research/h200_2026-12-05c.md); is it the slow part?
   xla_attention  base with the XLA decode attention in place of the Pallas kernel
   scan           base with the layers scanned (`unroll_layers=False`): one compiled layer
   scan_dsf       scan, with XLA's dynamic-slice fusion on (cuBLAS reading each layer's
@@ -42,6 +45,7 @@ VARIANTS = {
     "base": dict(pool_slots=True),
     "no_pool": dict(pool_slots=False),
     "no_autotune": dict(pool_slots=True, options={"xla_gpu_autotune_level": 0}),
+    "no_remat": dict(pool_slots=True, options={"xla_disable_hlo_passes": "rematerialization"}),
     "xla_attention": dict(pool_slots=True, implementation="xla"),
     "scan": dict(pool_slots=True, unroll_layers=False),
     "scan_dsf": dict(pool_slots=True, unroll_layers=False,

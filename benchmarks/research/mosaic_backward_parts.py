@@ -1,7 +1,7 @@
 """Where the Mosaic GPU backward's time goes: each of its kernels timed alone, round-robin.
 
     python benchmarks/research/mosaic_backward_parts.py [--length 131072] [--hkv 8,32]
-        [--sinks 0] [--backward-tilings '[{}, {"paired_scores": true}]']
+        [--sinks 0] [--backward-tilings '[{}, {"paired_scores": false}]']
 
 On prepared inputs (q, k, v, the pooled slots and row bounds of `slots_and_bounds`, the
 Mosaic forward's output and log2-sum-exp, a fixed cotangent; B = 1, Hq = 32, D = 128, CCA
@@ -40,28 +40,26 @@ def _visible(raw_lo, core_lo, core_hi) -> tuple[int, int]:
     return int(raw), int(core)
 
 
-def _pool_cca_mulsum(q_last, k_members, v_members):
-    """`pooling._pool_cca` as broadcast-multiply-sums over the members' own layout (one
-    fused reduction each in XLA, which can also take a slice of k, v as its input) instead
-    of einsums (batched products of 16 x 128 tiles, operands materialized)."""
-    f32 = jnp.float32
-    km, vm = k_members.astype(f32), v_members.astype(f32)          # [b, m, g, h, d]
-    scale = 1.0 / q_last.shape[-1] ** 0.5
-    # [b, m, 1, h, G, d] * [b, m, g, h, 1, d] -> sum over d: [b, m, g, h, G]
-    logits = jnp.sum(q_last.astype(f32)[:, :, None] * km[:, :, :, :, None], axis=-1)
-    a = jax.nn.softmax(logits * scale, axis=2)[..., None]           # [b, m, g, h, G, 1]
-    return (jnp.sum(a * km[:, :, :, :, None], axis=2), jnp.sum(a * vm[:, :, :, :, None], axis=2))
+def _pool_cca_einsum(q_last, k_members, v_members):
+    """The library's pooling before 2026-12-05, as einsums (batched products of 16 x 128
+    tiles, operands materialized): the baseline the multiply-sums replaced. -> [b, m, h, G, d]"""
+    logits = jnp.einsum("bmhgd,bmuhd->bmhgu", q_last, k_members,
+                        preferred_element_type=jnp.float32) / q_last.shape[-1] ** 0.5
+    a = jax.nn.softmax(logits, axis=-1)
+    return (jnp.einsum("bmhgu,bmuhd->bmhgd", a, k_members.astype(jnp.float32)),
+            jnp.einsum("bmhgu,bmuhd->bmhgd", a, v_members.astype(jnp.float32)))
 
 
 def _pooling_programs(pattern) -> dict:
     """part -> jitted fn of (q, k, v, dck, dcv): the slots of `slots_and_bounds` (`pooling`),
-    and with their vjp to q, k, v (`pooling+vjp`), as the library pools them (einsums) and as
-    `_pool_cca_mulsum` would (sinks: copies of the first rows, as the library's)."""
+    and with their vjp to q, k, v (`pooling+vjp`), as the library pools them (multiply-sums,
+    `mulsum`) and as einsums (`_pool_cca_einsum`; sinks: copies of the first rows, as the
+    library's)."""
     from cca_jax.attention import pooling as pl_mod
 
     def slots(variant):
         def fn(q, k, v):
-            if variant == "einsum":
+            if variant == "mulsum":
                 return tuple(pl_mod.slots_and_bounds(q, k, v, pattern)[:2])
             lead, g = pattern.lead_slots, pattern.slot_size
             m = pattern.max_slots(q.shape[1], packed=False) - lead
@@ -69,7 +67,7 @@ def _pooling_programs(pattern) -> dict:
             hkv = k.shape[2]
             km, vm = (x[:, lead: lead + m * g].reshape(b, m, g, hkv, d) for x in (k, v))
             q_last = q[:, lead + g - 1: lead + m * g: g].reshape(b, m, hkv, hq // hkv, d)
-            ck, cv = (x.reshape(b, m, hq, d) for x in _pool_cca_mulsum(q_last, km, vm))
+            ck, cv = (x.reshape(b, m, hq, d) for x in _pool_cca_einsum(q_last, km, vm))
             if lead:
                 groups = hq // hkv
                 ck = jnp.concatenate([jnp.repeat(k[:, :lead], groups, axis=2), ck], axis=1)
@@ -115,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--s", type=int, default=1024)
     ap.add_argument("--sinks", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--backward-tilings", default='[{}, {"paired_scores": true}]',
+    ap.add_argument("--backward-tilings", default='[{}, {"paired_scores": false}]',
                     help="JSON list of MosaicBackwardConfig overrides, each timed")
     ap.add_argument("--interpret", action="store_true",
                     help="run the kernels in jax's GPU interpreter (a CPU check; tiny shapes)")

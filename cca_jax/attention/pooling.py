@@ -37,17 +37,26 @@ def group_members(x: jax.Array, group_start: jax.Array | None, num_groups: int,
 
 
 def _cca_weights(q_last, k_members):
-    """Softmax over the group of (last query . keys) / sqrt(D), float32. -> [B, m, Hkv, G, g]."""
+    """Softmax over the group of (last query . keys) / sqrt(D), float32 -> `[B, m, g, Hkv, G]`.
+
+    Broadcast multiply-sums in the members' own layout, not einsums: XLA fuses each into one
+    reduction reading k in place, where an einsum materializes transposed 16-row operands
+    (H200, 128K, Hkv 8: pooling 1.01 ms against 1.52, with its vjp 2.77 against 4.45,
+    `benchmarks/results/research/mosaic_backward_parts_h200.md`). Products of bf16 values
+    are exact in float32, so only the summation order differs from a float32-accumulating dot.
+    """
+    f32 = jnp.float32
     scale = 1.0 / math.sqrt(q_last.shape[-1])
-    logits = jnp.einsum("bmhgd,bmuhd->bmhgu", q_last, k_members,
-                        preferred_element_type=jnp.float32) * scale
-    return jax.nn.softmax(logits, axis=-1)
+    # [B, m, 1, Hkv, G, D] * [B, m, g, Hkv, 1, D], summed over D
+    logits = jnp.sum(q_last.astype(f32)[:, :, None] * k_members.astype(f32)[:, :, :, :, None],
+                     axis=-1)
+    return jax.nn.softmax(logits * scale, axis=2)
 
 
 def _pool_cca(q_last, k_members, v_members):
-    a = _cca_weights(q_last, k_members)
-    ck = jnp.einsum("bmhgu,bmuhd->bmhgd", a, k_members.astype(jnp.float32))
-    cv = jnp.einsum("bmhgu,bmuhd->bmhgd", a, v_members.astype(jnp.float32))
+    a = _cca_weights(q_last, k_members)[..., None]                  # [B, m, g, Hkv, G, 1]
+    ck = jnp.sum(a * k_members.astype(jnp.float32)[:, :, :, :, None], axis=2)
+    cv = jnp.sum(a * v_members.astype(jnp.float32)[:, :, :, :, None], axis=2)
     return ck, cv
 
 
