@@ -529,26 +529,32 @@ def narrow_tail(bounds, hi, block: int, narrow: int):
 # are non-decreasing in `x` (a consequence of the monotone row bounds above), so a block of
 # keys/slots `[x0, x1]` is described by the intervals of its first and last members.
 
-def raw_key_rows(raw_lo):
-    """`[B, L]` -> `[B, L]`: the last row that sees key `u` raw (rows `u .. last` all do).
+def raw_key_rows(raw_lo, keys=None):
+    """`[B, L]` -> `[B, L]`: the last row that sees key `u` raw (rows `u .. last` all do);
+    `keys` (int `[n]`): only those keys' (`[B, n]`), where a caller needs a few of them.
 
     Row `t` sees raw key `u` iff `raw_lo(t) <= u <= t`; with `raw_lo` non-decreasing that is
     `u <= t <= max{t : raw_lo(t) <= u}`.
     """
     raw_lo = jnp.asarray(raw_lo)
-    keys = jnp.arange(raw_lo.shape[-1], dtype=raw_lo.dtype)
+    if keys is None:
+        keys = jnp.arange(raw_lo.shape[-1], dtype=raw_lo.dtype)
+    keys = jnp.asarray(keys, raw_lo.dtype)
     find = lambda lo: jnp.searchsorted(lo, keys, side="right")  # noqa: E731
     return (jax.vmap(find)(raw_lo) - 1).astype(jnp.int32)
 
 
-def core_slot_rows(core_lo, core_hi, num_slots: int):
+def core_slot_rows(core_lo, core_hi, num_slots: int, slots=None):
     """`(first_row, end_row)`, each `[B, num_slots]`: slot `c` is seen by rows
-    `first_row[c] .. end_row[c]` (empty when `first_row > end_row`, e.g. padding slots).
+    `first_row[c] .. end_row[c]` (empty when `first_row > end_row`, e.g. padding slots);
+    `slots` (int `[n]`): only those slots' (`[B, n]`).
 
     Row `t` sees slot `c` iff `core_lo(t) <= c < core_hi(t)`.
     """
     core_lo, core_hi = jnp.asarray(core_lo), jnp.asarray(core_hi)
-    slots = jnp.arange(num_slots, dtype=core_lo.dtype)
+    if slots is None:
+        slots = jnp.arange(num_slots, dtype=core_lo.dtype)
+    slots = jnp.asarray(slots, core_lo.dtype)
     first = jax.vmap(lambda hi: jnp.searchsorted(hi, slots, side="right"))(core_hi)
     end = jax.vmap(lambda lo: jnp.searchsorted(lo, slots, side="right"))(core_lo) - 1
     return first.astype(jnp.int32), end.astype(jnp.int32)
@@ -768,11 +774,11 @@ def key_block_visits(raw_lo, block_k: int, block_q: int):
     """int32 `[B, nk, 4]`: per raw key block, the query blocks that see it `(first,
     full_first, full_last, last)`. raw_lo: `[B, Lp]`, `Lp` a multiple of both blocks."""
     nk = raw_lo.shape[1] // block_k
-    last_row = raw_key_rows(raw_lo)
     x0 = jnp.arange(nk, dtype=jnp.int32) * block_k
     x1 = x0 + block_k - 1
-    visits = row_blocks_for_interval(x0, x1, last_row[:, x0], last_row[:, x1], block_q)
-    visits = [jnp.broadcast_to(x, last_row[:, x0].shape) for x in visits]
+    last = raw_key_rows(raw_lo, jnp.concatenate([x0, x1]))   # each block's first and last key
+    visits = row_blocks_for_interval(x0, x1, last[:, :nk], last[:, nk:], block_q)
+    visits = [jnp.broadcast_to(x, last[:, :nk].shape) for x in visits]
     return jnp.stack(visits, axis=-1).astype(jnp.int32)
 
 
@@ -780,11 +786,12 @@ def slot_block_visits(core_lo, core_hi, num_slots: int, block_c: int, block_q: i
     """int32 `[B, nc, 4]`: per block of `block_c` slots (`num_slots` a multiple of it), the
     query blocks that see some slot of it `(first, full_first, full_last, last)`."""
     nc = num_slots // block_c
-    first_row, end_row = core_slot_rows(core_lo, core_hi, num_slots)
     c0 = jnp.arange(nc, dtype=jnp.int32) * block_c
     c1 = c0 + block_c - 1
-    visits = row_blocks_for_interval(first_row[:, c0], first_row[:, c1], end_row[:, c0],
-                                     end_row[:, c1], block_q)
+    first_row, end_row = core_slot_rows(core_lo, core_hi, num_slots,
+                                        jnp.concatenate([c0, c1]))
+    visits = row_blocks_for_interval(first_row[:, :nc], first_row[:, nc:], end_row[:, :nc],
+                                     end_row[:, nc:], block_q)
     return jnp.stack(visits, axis=-1).astype(jnp.int32)
 
 

@@ -318,6 +318,14 @@ def test_row_blocks_for_key_blocks_cover_exactly_the_visible_rows(g, s, bq, bk, 
     last_row = np.asarray(blocks.raw_key_rows(raw_lo))[0]
     first_row, end_row = (np.asarray(x)[0] for x in blocks.core_slot_rows(core_lo, core_hi,
                                                                           num_slots))
+    # Asked for some keys / slots only (the Mosaic tables ask for each block's two ends).
+    some = np.array([length - 1, 0, length // 2, 0])
+    np.testing.assert_array_equal(np.asarray(blocks.raw_key_rows(raw_lo, some))[0],
+                                  last_row[some])
+    some = np.array([num_slots - 1, 0, num_slots // 2])
+    for got, want in zip(blocks.core_slot_rows(core_lo, core_hi, num_slots, some),
+                         (first_row, end_row)):
+        np.testing.assert_array_equal(np.asarray(got)[0], want[some])
     # The kernels read a block's bounds as its first and last entries.
     for x in (last_row, first_row, end_row):
         assert np.all(np.diff(x) >= 0), "per-key/slot row bounds must be non-decreasing"
