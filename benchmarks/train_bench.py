@@ -1,7 +1,7 @@
 """Training-step speed of `train.finetune` itself, one option per process.
 
     python benchmarks/train_bench.py --attention cca --seq-len 131072 --trainable qkv \\
-        [--preset llama2-7b-shape] [--steps 4] --out benchmarks/results/train_h200_cca
+        [--preset llama2-7b-shape] [--steps 4] [--remat full] --out benchmarks/results/train_h200_cca
     python benchmarks/train_bench.py --merge a.json b.json --out benchmarks/results/train_h200
 
 Runs the real CLI (random weights of the preset's shape, byte tokens of one document longer
@@ -48,6 +48,7 @@ def measure(args) -> dict:
                           "--seq-len", str(args.seq_len), "--trainable", args.trainable,
                           "--steps", str(args.steps), "--save-every", "0", "--batch-size", "1",
                           "--warmup-steps", "1", "--out", os.path.join(tmp, "run"),
+                          "--remat", args.remat,
                           "--document-mask" if args.document_mask else "--no-document-mask"])
         finetune.run(cfg)
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
@@ -57,7 +58,7 @@ def measure(args) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     pattern = PAPER_PATTERNS[args.attention]
     return dict(model=args.preset, attention=args.attention, seq_len=args.seq_len,
-                trainable=args.trainable,
+                trainable=args.trainable, remat=args.remat,
                 document_mask=args.document_mask,
                 impl=resolve_implementation("auto", pattern=pattern, packed=args.document_mask),
                 step_s=round(step_s, 3), tokens_per_s=round(args.seq_len / step_s, 1),
@@ -74,10 +75,10 @@ def table(records) -> str:
              f"- date: {first['date']}; jax {first['jax']}",
              *[f"- command: `{c}`" for c in sorted({r['command'] for r in records})],
              "- batch 1 sequence, random weights, one long document (byte tokens), AdamW, "
-             "full remat, bf16 params / float32 optimizer state", "",
-             "| model | attention | implementation | rows | seq_len | trainable | step s "
+             "bf16 params / float32 optimizer state", "",
+             "| model | attention | implementation | rows | seq_len | trainable | remat | step s "
              "| tokens/s | MFU | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = ["", "Implementation: `auto`'s choice. Rows with segment ids (the default document "
              "mask) run the Pallas kernels for every option; `--no-document-mask` rows carry "
              "none, and full attention runs through cuDNN."]
@@ -85,7 +86,7 @@ def table(records) -> str:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows = "document mask" if r.get("document_mask", True) else "no mask"
         lines.append(f"| {r['model']} | {r['attention']} | {r['impl']} | {rows} | {r['seq_len']} | "
-                     f"{r['trainable']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | "
+                     f"{r['trainable']} | {r.get('remat', 'full')} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | "
                      f"{r['peak_gib']:.1f} |")
     return "\n".join(lines + notes) + "\n"
 
@@ -96,6 +97,8 @@ def main(argv=None):
     ap.add_argument("--attention", default="cca")
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--trainable", default="qkv")
+    ap.add_argument("--remat", default="full", help="the layers' remat policy (records before "
+                    "2026-12-05 ran `full`)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-document-mask: rows without segment ids (full: cuDNN)")

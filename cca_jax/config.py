@@ -21,12 +21,17 @@ from cca_jax.attention import IMPLEMENTATION_CHOICES
 from cca_jax.attention.pooling import POOLING_FNS
 from cca_jax.blocks import ATTENTION_KINDS, AttentionPattern, default_sink_tokens, parse_option
 from cca_jax.family import FAMILIES
+from cca_jax.remat import ATTENTION_LSE, ATTENTION_OUT
 
-# Remat policies by name (None: no remat); `model.py` applies them.
+# Remat policies by name (None: no remat); `model.py` applies them. `save_attention`: as
+# `full`, but the attention kernel's output and log-sum-exp are kept (`cca_jax.remat`), so
+# the backward does not run the attention forward again.
 REMAT_POLICIES = types.MappingProxyType({
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT,
+                                                                     ATTENTION_LSE),
 })
 DTYPES = types.MappingProxyType({"float32": jnp.float32, "bfloat16": jnp.bfloat16,
                                  "float16": jnp.float16})

@@ -68,6 +68,7 @@ def _loss_and_grads(model, x):
 @pytest.mark.parametrize("change", [
     dict(remat="full"),
     pytest.param(dict(scan_layers=False), marks=pytest.mark.slow),
+    dict(remat="save_attention"),
     pytest.param(dict(remat="save_dots"), marks=pytest.mark.slow)])
 def test_scan_and_remat_do_not_change_results(change):
     model = build()
@@ -77,6 +78,26 @@ def test_scan_and_remat_do_not_change_results(change):
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_gpu"])
+def test_save_attention_keeps_the_kernels_output(implementation, capsys):
+    """`remat="save_attention"` saves the attention forward's output and log-sum-exp (named
+    in each kernel's vjp forward rule), so the backward need not rerun the kernel; `full`
+    saves only the inputs. (Tracing only: the Triton kernels are never run here.)"""
+    from cca_jax.attention import cca_attention
+    from cca_jax.config import REMAT_POLICIES
+    q, k = jnp.ones((1, 256, 4, 64), jnp.bfloat16), jnp.ones((1, 256, 2, 64), jnp.bfloat16)
+    saved = {}
+    for policy in ("full", "save_attention"):
+        layer = jax.checkpoint(lambda q, k, v: jnp.tanh(cca_attention(
+            q, k, v, group_size=4, window_size=64, implementation=implementation)),
+            policy=REMAT_POLICIES[policy])
+        jax.ad_checkpoint.print_saved_residuals(layer, q, k, k)
+        saved[policy] = capsys.readouterr().out
+    assert "attention_out" not in saved["full"] and "attention_lse" not in saved["full"]
+    assert "bf16[1,256,4,64] named 'attention_out'" in saved["save_attention"]
+    assert "named 'attention_lse'" in saved["save_attention"]
 
 
 @pytest.mark.parametrize("attention", [pytest.param("full", marks=pytest.mark.slow), "cca"])

@@ -36,16 +36,20 @@ S = jax.ShapeDtypeStruct
 
 # ---- CPU: cross-lowering ------------------------------------------------------------------
 
-def _lowered_text(dtype, d, hq, hkv, length, m, grad=False, **tiling):
+def _lowered_text(dtype, d, hq, hkv, length, m, grad=False, remat=None, **tiling):
     q, kv, c = (S((2, length, h, d), jnp.dtype(dtype)) for h in (hq, hkv, hkv))
     c = S((2, m, hq, d), jnp.dtype(dtype))
     bounds = S((2, length), jnp.int32)
 
     def fwd(q, k, v, ck, cv, *b):
         return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *b, **tiling)
+    if remat is not None:     # a rematerialized layer: the policy of that name
+        from cca_jax.config import REMAT_POLICIES
+        fwd = jax.checkpoint(lambda *a, f=fwd: jnp.tanh(f(*a)), policy=REMAT_POLICIES[remat])
     fn = fwd
-    if grad:
-        fn = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    if grad:   # with remat, the loss too: else the first forward is dead code
+        fn = (jax.grad if remat is None else jax.value_and_grad)(
+            lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
     return jax.jit(fn).trace(q, kv, kv, c, c, bounds, bounds, bounds).lower(
         lowering_platforms=("cuda",)).as_text()
 
@@ -60,6 +64,15 @@ def test_forward_lowers_for_cuda(dtype, d, hq, hkv, tiling):
     text = _lowered_text(dtype, d, hq, hkv, 1000, 45, **tiling)
     assert text.count("mosaic_gpu_v2(") == 1
     assert "xla.gpu.triton" not in text
+
+
+@pytest.mark.parametrize("remat,kernels", [("full", 5), ("save_attention", 4)])
+def test_save_attention_remat_runs_the_forward_kernel_once(remat, kernels):
+    """Under `full` remat the gradient runs the forward kernel again (forward, its rerun,
+    dq, dk/dv, dck/dcv); `save_attention` keeps the kernel's output and log-sum-exp, so the
+    backward starts from them (four kernels)."""
+    text = _lowered_text("bfloat16", 128, 8, 2, 1000, 45, grad=True, remat=remat)
+    assert text.count("mosaic_gpu_v2(") == kernels
 
 
 @pytest.mark.parametrize("backward,m,kernels", [

@@ -41,7 +41,7 @@ def test_help_gives_every_flag_a_description_default_and_choices(capsys):
     assert "(default: the checkpoint's own)" in entries["--attention"]
     assert "{all,attention,qkv}" in entries["--trainable"]
     assert "{cca,full,sliding,streaming}" in entries["--attention"]
-    assert "{none,full,save_dots}" in entries["--remat"]
+    assert "{none,full,save_dots,save_attention}" in entries["--remat"]
     # a preset's defaults are what --help shows with it
     assert "(default: 128)" in _help_entries(capsys, ["--preset", "tiny"])["--seq-len"]
 

@@ -30,6 +30,7 @@ from cca_jax.attention.cached import decode_attention_xla
 from cca_jax.attention.pooling import slots_and_bounds
 from cca_jax.blocks import CCA, AttentionPattern, core_blocks_for_rows
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
+from cca_jax.remat import name_attention_residuals
 
 _MASKED = -1e30  # finite: max over a fully masked block stays finite (no inf - inf)
 
@@ -238,7 +239,8 @@ def blocked_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking: Block
 
 
 def _blocked_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking):
-    out, lse = _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking)
+    out, lse = name_attention_residuals(
+        *_forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking))
     return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
 
 

@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from cca_jax import blocks
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
+from cca_jax.remat import name_attention_residuals
 
 # Masked scores are -inf, so exp2(score * scale - shift) is exactly 0 for them whatever the
 # (finite) shift; the running max starts finite, so a fully masked block leaves it finite and
@@ -554,7 +555,7 @@ def _cca_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg):
     length = q.shape[1]
     padded = _padded(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg)
     out, lse = _forward(*padded, cfg)
-    out = out[:, :length]
+    out, lse = name_attention_residuals(out[:, :length], lse)
     return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
 
 

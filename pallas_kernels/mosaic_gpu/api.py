@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up
+from cca_jax.remat import name_attention_residuals
 from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicBackwardConfig, MosaicConfig,
                                               check_backward_shared_memory,
                                               check_shared_memory, mosaic_backward_config,
@@ -69,7 +70,8 @@ def mosaic_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: Mosaic
 
 
 def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg, interpret):
-    out, lse = _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)
+    out, lse = name_attention_residuals(
+        *_forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret))
     return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
 
 

@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cca_jax import blocks
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
+from cca_jax.remat import name_attention_residuals
 from pallas_kernels.tpu import key_kernels, query_kernels
 from pallas_kernels.tpu.common import LANES, KernelConfig, check_config, head_view, row_layout
 from pallas_kernels.tpu.decode import check_decode_inputs, decode_attention
@@ -93,7 +94,7 @@ def _attention_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan: _Plan):
     tables = _query_tables(raw_lo, core_lo, core_hi, plan.cfg)
     inputs = _query_inputs(q, k, v, ck, cv, raw_lo, core_lo, core_hi, plan)
     out, lse = query_kernels.forward(plan.query, plan.cfg, tables, inputs)
-    out = out.reshape(q.shape)
+    out, lse = name_attention_residuals(out.reshape(q.shape), lse)
     return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
 
 
