@@ -1,7 +1,8 @@
 """The attention floor's import rules (DESIGN.md "Floors"), checked on the source text.
 
 `pallas_kernels/` imports nothing from `cca_jax` but the visibility module (`blocks`) and
-leaf helpers (`padding`); `blocks` imports nothing from the project; the attention package
+leaf helpers (`padding`, `remat`'s residual names); `blocks` and the leaf helpers import
+nothing from the project; the attention package
 imports only downwards, at module level, except the optional kernel packages (the one
 allowed lazy import); backends live in one registry.
 """
@@ -12,9 +13,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_MAY_IMPORT = {"cca_jax.blocks", "cca_jax.padding"}
-ATTENTION_MAY_IMPORT = ("cca_jax.attention", "cca_jax.blocks", "cca_jax.padding",
-                        "cca_jax.sharding")
+LEAF_HELPERS = ("cca_jax.padding", "cca_jax.remat")
+KERNEL_MAY_IMPORT = {"cca_jax.blocks", *LEAF_HELPERS}
+ATTENTION_MAY_IMPORT = ("cca_jax.attention", "cca_jax.blocks", "cca_jax.sharding",
+                        *LEAF_HELPERS)
 
 
 def _imports(path: Path):
@@ -45,9 +47,11 @@ def test_kernels_import_only_the_visibility_module():
                 assert name in KERNEL_MAY_IMPORT, f"{path.relative_to(ROOT)} imports {name}"
 
 
-def test_blocks_imports_nothing_from_the_project():
-    for name, _ in _imports(ROOT / "cca_jax" / "blocks.py"):
-        assert not _project(name), f"cca_jax/blocks.py imports {name}"
+def test_blocks_and_leaf_helpers_import_nothing_from_the_project():
+    for module in ("cca_jax.blocks", *LEAF_HELPERS):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        for name, _ in _imports(path):
+            assert not _project(name), f"{module} imports {name}"
 
 
 def test_attention_imports_point_down_and_only_kernels_lazily():
