@@ -6,7 +6,8 @@
 On prepared inputs (q, k, v, the pooled slots and row bounds of `slots_and_bounds`, the
 Mosaic forward's output and log2-sum-exp, a fixed cotangent; B = 1, Hq = 32, D = 128, CCA
 g = 16, s = 1024, bf16), per backward tiling: the forward kernel, the backward's host side
-(padding, delta, tables: `backward.backward_operands`), the dq kernel, the dk/dv kernel
+(padding, delta, tables: `backward.backward_operands`; also its stats and its tables
+alone), the dq kernel, the dk/dv kernel
 (raw keys), the dck/dcv kernel (slots), and the whole backward (`mosaic_backward`). Every
 program is compiled first, then all are timed one call each per round (median over
 --rounds). TFLOP/s count each kernel's products over the scores its rows see: forward 2
@@ -93,8 +94,15 @@ def _programs(cfg, interpret=None) -> dict:
 
     def operands(*a):
         return bw.backward_operands(*a, cfg)
+
+    def host_part(*fields):
+        """Only these fields of the host side (the rest is dead code to XLA)."""
+        return lambda *a: tuple(getattr(operands(*a), f) for f in fields)
     parts = {
         "host": operands,
+        "host[stats]": host_part("stats"),                 # delta = rowsum(dO O), with lse
+        "host[query tables]": host_part("query_tables"),
+        "host[key tables]": host_part("raw_tables", "slot_tables"),
         "dq": lambda *a: bw.query_grads(operands(*a), cfg, interpret),
         "dk/dv": lambda *a: bw.keys_and_values(operands(*a), "raw", cfg, interpret),
         "dck/dcv": lambda *a: bw.keys_and_values(operands(*a), "core", cfg, interpret),
