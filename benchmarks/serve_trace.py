@@ -125,8 +125,12 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if values else None
 
 
-def serve_trace(engine, requests) -> dict:
-    """Submit `requests` at their arrival times; token timestamps per request -> metrics."""
+def serve_trace(engine, requests, deadline_s: float | None = None) -> dict:
+    """Submit `requests` at their arrival times; token timestamps per request -> metrics.
+
+    `deadline_s`: stop waiting that many seconds after the first arrival and report what was
+    served by then (`partial`, `completed` requests; the caller's shutdown cancels the
+    rest), so a run cut short by a time limit still leaves its measurements."""
     from cca_jax.serve.engine import QueueFull, Request
 
     times = [[] for _ in requests]
@@ -145,6 +149,7 @@ def serve_trace(engine, requests) -> dict:
         return on_event
 
     start = time.perf_counter()
+    end_by = None if deadline_s is None else start + deadline_s
     arrivals = []
     for i, (at, prompt, max_tokens) in enumerate(requests):
         time.sleep(max(0.0, start + at - time.perf_counter()))
@@ -156,12 +161,17 @@ def serve_trace(engine, requests) -> dict:
                 break
             except QueueFull:
                 time.sleep(0.01)
-    done.wait()
-    wall = max(t[-1] for t in times if t) - arrivals[0]
+    partial = not done.wait(None if end_by is None else max(0.0, end_by - time.perf_counter()))
+    times, ends = [list(t) for t in times], list(ends)   # a snapshot: the engine may go on
+    wall = max((t[-1] for t in times if t), default=arrivals[0]) - arrivals[0]
     generated = sum(len(t) for t in times)
     ttft = [t[0] - a for t, a in zip(times, arrivals) if t]
     gaps = [b - a for t in times for a, b in zip(t, t[1:])]
-    return dict(requests=len(requests), errors=sum(r != "length" for r in ends),
+    if not generated:
+        return dict(requests=len(requests), partial=partial, completed=len(ends),
+                    errors=sum(r != "length" for r in ends), generated_tokens=0)
+    return dict(requests=len(requests), partial=partial, completed=len(ends),
+                errors=sum(r != "length" for r in ends),
                 generated_tokens=generated, wall_s=round(wall, 3),
                 tokens_per_s=round(generated / wall, 1),
                 decode_tokens_per_s=round((generated - len(ttft)) / wall, 1),
@@ -199,6 +209,8 @@ def make_engine(model, trace: Trace, max_batch: int, requests: int):
     engine.ready.wait()
     if engine.error is not None:
         raise engine.error
+    print(f"engine ready in {engine.startup_seconds:.1f} s (programs compiled or loaded)",
+          flush=True)
     return engine
 
 
@@ -211,7 +223,8 @@ def bench(kind: str, trace: Trace, args) -> dict:
     batch = trace.max_batch or rows_fit(model, trace)
     engine = make_engine(model, trace, batch, trace.requests)
     try:
-        metrics = serve_trace(engine, make_requests(trace, model.config.vocab_size))
+        metrics = serve_trace(engine, make_requests(trace, model.config.vocab_size),
+                              args.deadline)
         stats = engine.stats()
     finally:
         engine.shutdown()
@@ -225,6 +238,7 @@ def bench(kind: str, trace: Trace, args) -> dict:
                compilations_since_ready=stats["compilations_since_ready"],
                kv_cache_bytes=engine.kv_cache_bytes,
                kv_cache_gib=round(engine.kv_cache_bytes / 2**30, 3),
+               startup_s=round(engine.startup_seconds, 1),
                peak_gib=round(mem.get("peak_bytes_in_use", 0) / 2**30, 2),
                layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, **metrics,
                **step_metrics(stats["step_times"]))
@@ -259,7 +273,7 @@ def table(records) -> str:
             "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "itl_p95_ms", "decode_step_ms",
             "rows_per_step", "step_decode_tokens_per_s", "prefill_chunk_ms",
             "interleaved_chunk_ms", "kv_cache_gib",
-            "peak_gib", "cold_start_s", "warm_start_s", "errors"]
+            "peak_gib", "startup_s", "cold_start_s", "warm_start_s", "completed", "errors"]
     first = records[0]
     lines = [f"# Serving a request trace on {first['device']}", "",
              f"- date: {first['date']}; jax {first['jax']}; fastapi {first['fastapi']}; "
@@ -296,6 +310,9 @@ def main(argv=None) -> int:
                     "--small)")
     ap.add_argument("--no-start-times", action="store_true",
                     help="skip the cold/warm start measurements (two child processes each)")
+    ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                    help="stop each trace this long after its first arrival and record what "
+                    "was served by then (marked partial)")
     ap.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="benchmarks/results/serve_trace_h200")

@@ -646,6 +646,7 @@ def test_serve_trace_benchmark_small_mode(tmp_path):
     assert main(["--small", "--attention", "cca", "--no-start-times", "--out", str(out)]) == 0
     rec = json.loads(out.with_suffix(".json").read_text())[0]
     assert rec["errors"] == 0 and rec["generated_tokens"] == 8 * 8
+    assert not rec["partial"] and rec["completed"] == 8 and rec["startup_s"] > 0
     assert rec["compilations_since_ready"] == 0 and rec["max_rows_busy"] >= 2
     assert rec["ttft_p95_s"] >= rec["ttft_p50_s"] > 0 and rec["itl_p50_ms"] > 0
     assert {"device", "jax", "date", "command", "commit"} <= set(rec)
@@ -659,6 +660,26 @@ def test_serve_trace_benchmark_small_mode(tmp_path):
     assert times["prefill_chunks"] >= rec["requests"] and times["decode_steps"] >= 8
     assert 1 <= rec["rows_per_step"] <= 4 and rec["step_decode_tokens_per_s"] > 0
     assert rec["decode_step_ms"] > 0 and rec["prefill_chunk_ms"] > 0
+
+
+def test_serve_trace_deadline_reports_what_was_served():
+    """--deadline: a trace that cannot finish in time returns its measurements so far, marked
+    partial, instead of nothing (an engine stub: request 0 ends after two tokens, request 1
+    gets one token and never ends)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serve_trace import serve_trace
+
+    class Stub:
+        def submit(self, request, on_event):
+            on_event(1, None)
+            if len(request.prompt) == 3:
+                on_event(2, None)
+                on_event(None, "length")
+
+    requests = [(0.0, [1, 2, 3], 2), (0.0, [4, 5], 2)]
+    got = serve_trace(Stub(), requests, deadline_s=0.05)
+    assert got["partial"] and got["completed"] == 1 and got["errors"] == 0
+    assert got["generated_tokens"] == 3 and got["itl_p50_ms"] >= 0
 
 
 @pytest.mark.slow
