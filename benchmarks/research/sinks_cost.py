@@ -12,7 +12,9 @@ pooling, bounds and the kernels), bf16, B = 1, Hq = 32, D = 128, CCA g = 16, s =
 `fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v. Writes `<out>.json` (records stamped
 with commit, device, jax, date, command) and `<out>.md` (each time and its ratio to the same
 implementation and mode without sinks, and the largest relative L2 of its output (fwd) or
-gradients (fwd+bwd) against the first implementation's at the same sinks).
+gradients (fwd+bwd) against the first implementation's at the same sinks). `--profile DIR`:
+one more call of each program under `jax.profiler`, its GPU kernels by time in the record
+(`kernels`) and in a second table: which kernel the sinks' time goes to.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def _program(impl: str, pattern, mode: str):
     return jax.jit(fwd if mode == "fwd" else grads)
 
 
+def _profile(call, inputs, out_dir: str, key) -> dict:
+    """One call of a compiled program under the profiler: its kernels by time."""
+    from benchmarks.research.profile_inference import kernel_table
+    where = os.path.join(out_dir, "_".join(str(x) for x in key).replace("+", "_"))
+    jax.block_until_ready(call(*inputs))
+    with jax.profiler.trace(where):
+        jax.block_until_ready(call(*inputs))
+    table = kernel_table(where, 6)
+    table.pop("events", None)
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="mosaic_gpu,pallas_gpu")
@@ -55,6 +69,8 @@ def main(argv=None):
     ap.add_argument("--sinks", default="0,4")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also profile each program once (traces under DIR)")
     ap.add_argument("--out", default="benchmarks/results/research/sinks_cost_h200")
     args = ap.parse_args(argv)
     keys = jax.random.split(jax.random.key(0), 4)
@@ -106,6 +122,19 @@ def main(argv=None):
         err = rec.get(f"rel_l2_vs_{impls[0]}")
         rows.append(f"| {key[0]} | {key[2]} | {key[1]} | {rec['ms']:.2f} | {ratio} | "
                     f"{'' if err is None else f'{err:.1e}'} |")
+    if args.profile:
+        rows += ["", "Kernels by time, one profiled call each (ms; the 6 longest):", "",
+                 "| impl | mode | sinks | kernel ms | kernels | longest |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        for rec in records:
+            key = (rec["impl"], rec["sink_tokens"], rec["mode"])
+            if key in calls:
+                rec["kernels"] = _profile(calls[key], inputs, args.profile, key)
+                longest = "; ".join(f"{k['name'][:48]} x{k['count']} {k['ms']:.2f}"
+                                    for k in rec["kernels"]["top"])
+                rows.append(f"| {key[0]} | {key[2]} | {key[1]} | "
+                            f"{rec['kernels']['kernel_ms']:.2f} | {rec['kernels']['kernels']} "
+                            f"| {longest} |")
     header = (f"CCA with and without sinks, round-robin in one process: L = {args.length}, "
               f"Hq = {args.hq}, Hkv = {args.hkv}, D = {args.d}, g = {args.g}, s = {args.s}, "
               f"bf16; {base['device']}, jax {base['jax']}, {base['date']}, commit "
