@@ -1,6 +1,7 @@
 """Probe: where does the time of a prefill and of a decode step go, kernel by kernel?
 
     python benchmarks/research/profile_inference.py --impl cca --context 131072 --out DIR
+        [--implementation mosaic_gpu [--mosaic-decode]]
 
 Builds the LLaMA-2-7B-shaped model of `benchmarks/inference.py`, then
   decode:  a cache with every row's length set to the context (as `--no-prefill` there),
@@ -138,6 +139,11 @@ def main(argv=None):
     ap.add_argument("--clocks", action="store_true", help="sample SM clock and power")
     ap.add_argument("--shape", default="llama2-7b")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--implementation", default="auto",
+                    help="the model's attention implementation (e.g. mosaic_gpu)")
+    ap.add_argument("--mosaic-decode", action="store_true",
+                    help="with mosaic_gpu: decode with its own kernel at this shape, not the "
+                    "Triton one its backend borrows (why is it slower in the model?)")
     ap.add_argument("--out", required=True, help="folder for <phase>.json")
     ap.add_argument("--trace-dir", default="/tmp/profile_inference",
                     help="where the profiler writes its traces")
@@ -158,11 +164,20 @@ def main(argv=None):
     from cca_jax.model import LlamaForCausalLM
 
     os.makedirs(args.out, exist_ok=True)
+    if args.mosaic_decode:   # a research switch: the backend's measured-shapes table, widened
+        from cca_jax.attention import pallas_mosaic_gpu
+        shape = (SHAPES[args.shape].get("head_dim") or SHAPES[args.shape]["hidden_size"]
+                 // SHAPES[args.shape]["num_attention_heads"],
+                 SHAPES[args.shape]["num_attention_heads"]
+                 // SHAPES[args.shape].get("num_key_value_heads",
+                                            SHAPES[args.shape]["num_attention_heads"]))
+        pallas_mosaic_gpu._DECODE_FASTER_THAN_TRITON = frozenset({shape})
     p = PAPER_PATTERNS[args.impl]
     cfg = LlamaConfig(**SHAPES[args.shape],
                       max_position_embeddings=_max_len(args.context, WARMUP + 2 * args.steps + 2),
                       attention=dict(kind=args.impl, group_size=p.group_size,
-                                     window_size=p.window_size, sink_tokens=p.sink_tokens))
+                                     window_size=p.window_size, sink_tokens=p.sink_tokens,
+                                     implementation=args.implementation))
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     impl = decode_implementation(cfg)
     max_len = _max_len(args.context, WARMUP + 2 * args.steps + 2)
