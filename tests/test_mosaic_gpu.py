@@ -849,30 +849,61 @@ def test_interpreted_gradients_through_the_entry_match_float64():   # measured 1
         assert err < 1e-2, (name, err)
 
 
-@pytest.mark.gpu
-@needs_hopper
-def test_gpu_defaults_print_no_triton_deprecation():
-    """A bf16 model with the default implementation on a Hopper GPU trains (forward and
-    backward), prefills and decodes through Mosaic GPU kernels only: jax's warning for the
-    deprecated Pallas Triton backend (raised when a Triton kernel lowers) never appears."""
+def _triton_warnings(run) -> list[str]:
+    """jax's warnings for the deprecated Pallas Triton backend (raised when a Triton kernel
+    lowers) while `run()` runs."""
     import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "Triton backend is deprecated" in str(w.message)]
 
+
+def _default_bf16_model():
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
-    from cca_jax.generate import generate
     from cca_jax.model import LlamaForCausalLM
-
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=4096, dtype="bfloat16", param_dtype="bfloat16",
                       attention=dict(kind="cca", group_size=16, window_size=256))
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 1024)), jnp.int32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), ids
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_defaults_train_and_prefill_print_no_triton_deprecation():
+    """A bf16 model with the default implementation on a Hopper GPU trains (forward and
+    backward) and prefills a cache through Mosaic GPU kernels only: no Triton kernel lowers."""
+    from flax import nnx
+
+    from cca_jax.kv_cache import init_cache
+    from cca_jax.prefill import prefill
+    model, ids = _default_bf16_model()
+
+    def run():
         grads = nnx.grad(lambda m: m(ids).astype(jnp.float32).mean())(model)
         jax.block_until_ready(jax.tree.leaves(grads))
-        generate(model, [ids[0, :700].tolist()], max_new_tokens=4, chunk_size=512)
-    triton = [str(w.message) for w in caught if "Triton backend is deprecated" in str(w.message)]
+        _, logits = prefill(model, init_cache(model.config, 1, 1024), ids[:, :700],
+                            chunk_size=512)
+        jax.block_until_ready(logits)
+    triton = _triton_warnings(run)
+    assert not triton, triton[0]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.xfail(strict=True, reason="the default decode borrows the Triton decode kernel "
+                   "while JAX has it: faster in the 7B model at 128K (5.26 against 7.74 "
+                   "ms/token: results/inference_cca_auto_h200.md, results/research/"
+                   "inference_mosaic_decode_h200.md); issue 26")
+def test_gpu_default_decode_prints_no_triton_deprecation():
+    """Decoding with the defaults on a Hopper GPU: no Triton kernel lowers. Fails today by
+    choice (see the mark); strict, so that it says when the Mosaic decode takes over."""
+    from cca_jax.generate import generate
+    model, ids = _default_bf16_model()
+    triton = _triton_warnings(lambda: generate(model, [ids[0, :700].tolist()],
+                                               max_new_tokens=4, chunk_size=512))
     assert not triton, triton[0]
