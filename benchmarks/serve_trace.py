@@ -167,12 +167,11 @@ def serve_trace(engine, requests, deadline_s: float | None = None) -> dict:
     generated = sum(len(t) for t in times)
     ttft = [t[0] - a for t, a in zip(times, arrivals) if t]
     gaps = [b - a for t in times for a, b in zip(t, t[1:])]
+    counts = dict(requests=len(requests), partial=partial, completed=len(ends),
+                  errors=sum(r != "length" for r in ends), generated_tokens=generated)
     if not generated:
-        return dict(requests=len(requests), partial=partial, completed=len(ends),
-                    errors=sum(r != "length" for r in ends), generated_tokens=0)
-    return dict(requests=len(requests), partial=partial, completed=len(ends),
-                errors=sum(r != "length" for r in ends),
-                generated_tokens=generated, wall_s=round(wall, 3),
+        return counts
+    return dict(counts, wall_s=round(wall, 3),
                 tokens_per_s=round(generated / wall, 1),
                 decode_tokens_per_s=round((generated - len(ttft)) / wall, 1),
                 ttft_p50_s=round(percentile(ttft, 50), 4),

@@ -1,7 +1,8 @@
 """Training-step speed of `train.finetune` itself, one option per process.
 
     python benchmarks/train_bench.py --attention cca --seq-len 131072 --trainable qkv \\
-        [--preset llama2-7b-shape] [--steps 4] [--remat full] --out benchmarks/results/train_h200_cca
+        [--preset llama2-7b-shape] [--steps 4] [--remat full] \\
+        --out benchmarks/results/train_h200_cca
     python benchmarks/train_bench.py --merge a.json b.json --out benchmarks/results/train_h200
 
 Runs the real CLI (random weights of the preset's shape, byte tokens of one document longer
@@ -86,8 +87,8 @@ def table(records) -> str:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows = "document mask" if r.get("document_mask", True) else "no mask"
         lines.append(f"| {r['model']} | {r['attention']} | {r['impl']} | {rows} | {r['seq_len']} | "
-                     f"{r['trainable']} | {r.get('remat', 'full')} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | "
-                     f"{r['peak_gib']:.1f} |")
+                     f"{r['trainable']} | {r.get('remat', 'full')} | {r['step_s']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} |")
     return "\n".join(lines + notes) + "\n"
 
 

@@ -164,20 +164,16 @@ def main(argv=None):
     from cca_jax.model import LlamaForCausalLM
 
     os.makedirs(args.out, exist_ok=True)
-    if args.mosaic_decode:   # a research switch: the backend's measured-shapes table, widened
-        from cca_jax.attention import pallas_mosaic_gpu
-        shape = (SHAPES[args.shape].get("head_dim") or SHAPES[args.shape]["hidden_size"]
-                 // SHAPES[args.shape]["num_attention_heads"],
-                 SHAPES[args.shape]["num_attention_heads"]
-                 // SHAPES[args.shape].get("num_key_value_heads",
-                                            SHAPES[args.shape]["num_attention_heads"]))
-        pallas_mosaic_gpu._DECODE_FASTER_THAN_TRITON = frozenset({shape})
     p = PAPER_PATTERNS[args.impl]
     cfg = LlamaConfig(**SHAPES[args.shape],
                       max_position_embeddings=_max_len(args.context, WARMUP + 2 * args.steps + 2),
                       attention=dict(kind=args.impl, group_size=p.group_size,
                                      window_size=p.window_size, sink_tokens=p.sink_tokens,
                                      implementation=args.implementation))
+    if args.mosaic_decode:   # a research switch: the backend's measured-shapes table, widened
+        from cca_jax.attention import pallas_mosaic_gpu
+        pallas_mosaic_gpu._DECODE_FASTER_THAN_TRITON = frozenset(
+            {(cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads)})
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     impl = decode_implementation(cfg)
     max_len = _max_len(args.context, WARMUP + 2 * args.steps + 2)
