@@ -138,6 +138,8 @@ LOSS_RTOL, GRAD_ATOL, GRAD_RTOL = 2e-6, 2e-7, 1e-4
     ("cca", "data2-fsdp2-tensor2", "none"),     # no sequence split: FSDP + tensor + data
     ("cca", "fsdp2-seq4", "none"),              # sequence=4, zigzag, halos + core tokens
     ("cca", "data2-fsdp2-seq2", "full"),        # sequence=2, shard_map under jax.checkpoint
+    pytest.param("cca", "fsdp2-seq4", "save_attention",   # kernels' outputs kept, shard_map
+                 marks=pytest.mark.slow),
     pytest.param("streaming", "data2-seq4", "none", marks=pytest.mark.slow),  # sinks + halo
     pytest.param("sliding", "tensor2-seq4", "none", marks=pytest.mark.slow),  # heads split
     pytest.param("sliding", "seq8", "none", marks=pytest.mark.slow),     # chunks of 6 rows
