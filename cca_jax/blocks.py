@@ -390,6 +390,35 @@ def pattern_ranges(pattern: AttentionPattern, length: int,
                      group_last)
 
 
+def lead_rows(pattern: AttentionPattern, length: int) -> int:
+    """N when an unpacked row of `length` under `pattern` can be split at its N lead slots
+    (cca's sinks) by `sinks_as_slots`, else 0: the pattern has lead slots and all N of them
+    are pooled (`max_slots`, so the row is at least `N + s + g - 1` long)."""
+    n = pattern.lead_slots
+    return n if n and pattern.max_slots(length) >= n else 0
+
+
+def sinks_as_slots(pattern: AttentionPattern, raw_lo, core_lo, core_hi):
+    """Bounds of unpacked rows (`pattern_ranges` without segment_ids, `[B, L]`) with the
+    boundary between slots and raw keys moved over the N sinks: rows `t < N` see sinks only
+    raw (`[0, t]`, no slots), later rows see all N only as their lead slots (exact copies of
+    tokens `0 .. N-1`, `AttentionPattern.lead_slots`). Every row sees the same keys and values
+    as before; now rows `t >= N` see no raw key below N, and in the frame of positions `t - N`
+    their raw windows are CCA's without sinks (kernels' block edges again). Needs
+    `lead_rows(pattern, L) == N > 0`."""
+    n = pattern.lead_slots
+    if not lead_rows(pattern, raw_lo.shape[-1]):
+        raise ValueError(f"sinks_as_slots needs rows whose {n} sinks are all pooled as slots "
+                         f"(length >= N + s + g - 1 under {pattern}); got length "
+                         f"{raw_lo.shape[-1]}.")
+    xp = _xp(raw_lo)
+    t = xp.arange(raw_lo.shape[-1], dtype=raw_lo.dtype)
+    # Rows t >= N seeing sinks raw from raw_lo have slots [0, raw_lo): those become [0, N).
+    # Rows t < N seeing sinks as slots [0, core_hi) have raw keys from core_hi: from 0 now.
+    moved = xp.where(t >= n, _maximum(n - raw_lo, 0), core_lo - core_hi)
+    return raw_lo + moved, core_lo, core_hi + moved
+
+
 def document_starts(segment_ids) -> jax.Array:
     """`[B, L]` -> `[B, L]`: the first position of each position's document, a document being
     a maximal run of equal ids."""

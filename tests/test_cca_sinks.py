@@ -190,6 +190,44 @@ def test_bounds_see_every_earlier_position_once_as_spec_6_says():
         assert blocks.widest_window(pat, 64) <= s + g - 1
 
 
+def test_sinks_as_slots_keeps_what_every_row_sees_and_splits_the_row_at_n():
+    """`blocks.sinks_as_slots` (the Mosaic kernels' frame after the sinks) on unpacked rows:
+    every row sees the same tokens as under `pattern_ranges` (a lead slot stands for its
+    token), rows t >= N see no raw key below N, rows t < N see no slot, and shifted by N the
+    raw windows are CCA's without sinks. `lead_rows` is 0 where not all N sinks are pooled;
+    the function then refuses."""
+    for g, s, n in SMALL_PATTERNS + [(16, 64, 4), (16, 1024, 4)]:
+        pat = CCA(g, s, n)
+        length = n + s + g + 37
+        assert blocks.lead_rows(pat, length) == n
+        assert blocks.lead_rows(pat, n + s + g - 2) == 0
+        r = blocks.pattern_ranges(pat, length)
+        before = [np.asarray(x) for x in r[:3]]
+        after = blocks.sinks_as_slots(pat, *before)
+        traced = blocks.sinks_as_slots(pat, *(jnp.asarray(x) for x in before))
+        for a, b in zip(after, traced):
+            np.testing.assert_array_equal(a, np.asarray(b))
+        t = np.arange(length)
+
+        def seen(raw_lo, core_lo, core_hi):
+            tokens = (t[None, :] >= raw_lo[0][:, None]) & (t[None, :] <= t[:, None])
+            for c in range(pat.max_slots(length)):
+                rows = (c >= core_lo[0]) & (c < core_hi[0])
+                first, last = pat.slot_first(c), pat.slot_last(c)
+                assert not (tokens[rows, first:last + 1]).any()     # each once
+                tokens[rows, first:last + 1] = True
+            return tokens
+        np.testing.assert_array_equal(seen(*after), seen(*before), err_msg=str(pat))
+        raw_lo, core_lo, core_hi = (x[0] for x in after)
+        assert (raw_lo[n:] >= n).all() and (core_hi[:n] == core_lo[:n]).all()
+        assert (np.diff(raw_lo) >= 0).all() and (np.diff(core_hi) >= 0).all()
+        np.testing.assert_array_equal(raw_lo[n:] - n, CCA(g, s).raw_start(t[:length - n]))
+        if s + g - 1 < n:       # some rows t < N saw sinks through slots: moved back
+            assert (before[2][0, :n] > 0).any()
+    with pytest.raises(ValueError, match="sinks are all pooled"):
+        blocks.sinks_as_slots(CCA(4, 8, 2), *(np.zeros((1, 10), np.int32),) * 3)
+
+
 def test_cache_arithmetic_with_sinks():
     """The cache's slot bookkeeping: `completed_slot` is the inverse of `slot_last`; every
     slot a query sees fits in `max_slots` and was completed at or before it; `chunk_slots`'

@@ -164,6 +164,8 @@ def test_input_errors():
     q, k, v, ck, cv, *b = args
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
+    with pytest.raises(ValueError, match=r"lead_rows must be in \[0, L\)"):
+        blocked_attention_mosaic_gpu(q, k, v, ck, cv, *b, lead_rows=q.shape[1])
 
 
 def test_backward_config_defaults_fit_shared_memory():
@@ -244,6 +246,56 @@ def test_backend_compiles_the_narrow_head_in_only_where_a_cta_takes_one():
     triton = {"backward": "triton", "backward_tiling": {"block_q": 64}}
     assert _narrow_where_it_pays(blocks.CCA(16, 1024), q, triton) == {**triton,
                                                                        "narrow_block": 0}
+    # Unpacked rows run after their lead rows (the sinks): no CTA takes a head there.
+    assert _narrow_where_it_pays(sinks, q, {}, lead=4) == off
+
+
+def _frame_counts(pattern, length: int, lead: int, narrow: int):
+    """(ring steps, narrow heads, masked warpgroup-steps) of the forward's walk at the
+    default tiling over rows `[lead, length)` of `blocks.pattern_ranges` (the sinks moved
+    into the slots first when `lead`)."""
+    cfg = mosaic_config(head_dim=128)
+    bounds = [np.asarray(x) for x in blocks.pattern_ranges(pattern, length)[:3]]
+    if lead:
+        bounds = blocks.sinks_as_slots(pattern, *bounds)
+        bounds = [bounds[0][:, lead:] - lead, bounds[1][:, lead:], bounds[2][:, lead:]]
+    lp = -(-(length - lead) // cfg.row_multiple) * cfg.row_multiple
+    tables = visit_tables(*pad_row_bounds(*bounds, lp), block_q=cfg.block_q,
+                          compute_wgs=cfg.compute_wgs, block_kv=cfg.block_kv, narrow=narrow)
+    wgs = cfg.compute_wgs
+    steps = [walk_steps(tables.cta[0, c], tables.wg[0, wgs * c: wgs * (c + 1)], cfg.block_kv,
+                        narrow) for c in range(tables.cta.shape[1])]
+    flat = [step for cta in steps for step in cta]
+    return (sum(width == cfg.block_kv for _, _, width, _ in flat),
+            sum(width == narrow for _, _, width, _ in flat),
+            sum(sum(masked) for *_, masked in flat))
+
+
+def test_the_frame_after_the_sinks_walks_the_steps_of_cca_without_them():
+    """4 sinks shift every CCA window 4 keys off the 128-key grid: in the row's own frame
+    each CTA takes one more masked step (or a narrow head). In the frame after the sinks
+    (`lead_rows`) the walk is CCA's without sinks but for the 4 slots more, at 16K (measured:
+    1643 steps against 1628, 766 masked warpgroup-steps against 736; the narrow heads: 1635
+    + 119 heads, 988 masked)."""
+    length, sinks = 16384, blocks.CCA(16, 1024, 4)
+    plain = _frame_counts(blocks.CCA(16, 1024), length - 4, 0, 0)
+    frame = _frame_counts(sinks, length, 4, 0)
+    heads = _frame_counts(sinks, length, 0, 16)
+    assert frame[1] == 0 and heads[1] > 100
+    assert plain[0] <= frame[0] <= 1.01 * plain[0], (frame, plain)
+    assert plain[2] <= frame[2] <= 1.05 * plain[2], (frame, plain)
+    assert frame[2] < 0.8 * heads[2], (frame, heads)
+
+
+def test_lead_rows_lower_for_cuda():
+    """With `lead_rows` the forward is one Mosaic kernel plus the lead rows' dense block in
+    XLA written over the output's first rows, and the gradient four Mosaic kernels; no
+    Triton kernel (D = 128 and the split-key D = 256)."""
+    for d, kernels in ((128, 4), (256, 6)):
+        text = _lowered_text("bfloat16", d, 8, 2, 1000, 70, lead_rows=4)
+        assert text.count("mosaic_gpu_v2(") == 1 and "dynamic_update_slice" in text
+        text = _lowered_text("bfloat16", d, 8, 2, 1000, 70, grad=True, lead_rows=4)
+        assert text.count("mosaic_gpu_v2(") == kernels and "xla.gpu.triton" not in text
 
 
 # ---- CPU: the block walk against dense visibility -------------------------------------------
@@ -535,6 +587,28 @@ def test_gpu_narrow_head_with_sinks_matches_float64_and_triton(dtype, d):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype,d,length", [("bfloat16", 128, 1000), ("float16", 64, 1028),
+                                            ("bfloat16", 256, 1000)])
+def test_gpu_sinks_after_the_lead_rows_match_float64(dtype, d, length):
+    """CCA with 4 sinks (g = 16, s = 256) on unpacked rows through the Mosaic backend: the
+    kernels run rows [4, L) with a row offset in their TMA coordinates, reading q/k/v/dO
+    unpadded (L = 1000: TMA zero-fills the rows past the end and clips the stores; L = 1028:
+    whole CTAs). Output and q/k/v gradients against SPEC 6 in float64, row by row."""
+    from tests.row_errors import row_max_error
+    pattern = blocks.CCA(16, 256, 4)
+    q, k, v, ct = _inputs(2, length, 4, 2, d, jnp.dtype(dtype), seed=13)
+    out, grads = jax.jit(functools.partial(_sinks_through_the_backend, pattern=pattern))(
+        q, k, v, ct)
+    want, want_grads = _sinks_reference64(q, k, v, ct, pattern)
+    errs = [row_max_error(out, want)] + [row_max_error(g, w) for g, w in zip(grads, want_grads)]
+    print(f"sinks after the lead rows {dtype} D={d} L={length}: out, dq, dk, dv row errors "
+          "vs float64: " + " ".join(f"{e:.2e}" for e in errs))
+    tol = ROW_TOL[dtype]
+    assert errs[0] < tol["out"] and max(errs[1:]) < tol["grad"], errs
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("dtype,d,hq,hkv,name,packed", [
     ("bfloat16", 128, 4, 2, "cca", True), ("float16", 64, 4, 1, "streaming", False),
     ("bfloat16", 96, 2, 2, "sliding", True)])
@@ -699,6 +773,67 @@ def test_interpreted_narrow_head_with_sinks_matches_float64(narrow):
         ref = sinks_reference(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), 16, 64, 4)
     err = row_max_error(out, np.asarray(ref))
     assert err < ROW_TOL["bfloat16"]["out"], err
+
+
+def _sinks_through_the_backend(q, k, v, ct, pattern):
+    """Output and q/k/v gradients of sum(out * ct) through the Mosaic backend
+    (`run_attention`: on the CPU its kernels run in the GPU interpreter): unpacked rows with
+    sinks run in the frame after them (`lead_rows`)."""
+    from cca_jax.attention import run_attention
+
+    def loss(q, k, v):
+        out = run_attention(q, k, v, pattern, implementation="mosaic_gpu")
+        return jnp.sum(out.astype(jnp.float32) * ct), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+def _sinks_reference64(q, k, v, ct, pattern):
+    """SPEC 6 (tests/test_cca_sinks.py) in float64: output and q/k/v gradients."""
+    from tests.test_cca_sinks import sinks_reference
+    args = (pattern.group_size, pattern.window_size, pattern.sink_tokens)
+    with jax.enable_x64():
+        x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, ct)]
+        out, vjp = jax.vjp(lambda q, k, v: sinks_reference(q, k, v, *args), *x64[:3])
+        return np.asarray(out), [np.asarray(g) for g in vjp(x64[3])]
+
+
+@pytest.mark.slow   # about 15 s each: the interpreter at 260-300 rows
+@pytest.mark.parametrize("length", [260, 300])
+def test_interpreted_forward_after_the_lead_rows_matches_float64(length):
+    """CCA with 4 sinks (g = 16, s = 64) through the kernel in the frame after the sinks
+    (`blocks.sinks_as_slots`, `lead_rows` 4: a row offset in the TMA coordinates, the 4 x 4
+    lead block dense), in the GPU interpreter, against SPEC 6 in float64: L - N a whole
+    number of CTAs (260: q/k/v read unpadded, as on the GPU) and ragged (300: padded)."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from tests.row_errors import row_max_error
+    pattern = blocks.CCA(16, 64, 4)
+    q, k, v, ct = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=3)
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern)
+    assert blocks.lead_rows(pattern, length) == 4
+    out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *blocks.sinks_as_slots(pattern, *bounds),
+                                       interpret=True, lead_rows=4, compute_wgs=2, block_kv=64)
+    want, _ = _sinks_reference64(q, k, v, ct, pattern)
+    err = row_max_error(out, want)
+    print(f"L={length}: row error vs float64 {err:.2e}")
+    assert err < ROW_TOL["bfloat16"]["out"], err     # measured 1.7e-3 at both
+
+
+@pytest.mark.slow   # about 70 s: the interpreted forward and backward
+def test_interpreted_sinks_through_the_backend_match_float64():
+    """The Mosaic backend with CCA + 4 sinks on unpacked rows (ragged L, GQA): forward and
+    the three backward kernels in the frame after the sinks, the lead rows' block and its
+    gradient dense, the sinks' gradients through their slots; output and q/k/v gradients
+    against SPEC 6 in float64, row by row."""
+    from tests.row_errors import row_max_error
+    pattern = blocks.CCA(16, 64, 4)
+    q, k, v, ct = _inputs(1, 300, 4, 2, 64, jnp.bfloat16, seed=5)
+    out, grads = _sinks_through_the_backend(q, k, v, ct, pattern)
+    want, want_grads = _sinks_reference64(q, k, v, ct, pattern)
+    errs = [row_max_error(out, want)] + [row_max_error(g, w) for g, w in zip(grads, want_grads)]
+    print("out, dq, dk, dv row errors vs float64:", " ".join(f"{e:.2e}" for e in errs))
+    assert errs[0] < ROW_TOL["bfloat16"]["out"], errs
+    assert max(errs[1:]) < 1e-2, errs     # as the interpreted backward's: bf16 rounding
 
 
 @pytest.mark.slow   # about 2 minutes: the interpreted forward, then Triton's interpreted backward

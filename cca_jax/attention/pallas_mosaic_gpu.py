@@ -17,6 +17,7 @@ sm_90+ GPUs for bfloat16 and float16 up to head dim 128; float32 and older GPUs 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -78,25 +79,31 @@ def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
     from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, pooling=pooling,
                                        segment_ids=segment_ids)
-    tiling = _narrow_where_it_pays(pattern, q, tiling)
-    return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds,
+    lead = 0 if segment_ids is not None else blocks.lead_rows(pattern, q.shape[1])
+    if lead:
+        bounds = blocks.sinks_as_slots(pattern, *bounds)
+    tiling = _narrow_where_it_pays(pattern, q, tiling, lead)
+    return blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, lead_rows=lead,
                                         interpret=_interpret_default(interpret), **tiling)
 
 
-def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict) -> dict:
+def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict, lead: int = 0) -> dict:
     """`tiling` with the narrow heads of the forward and of the Mosaic backward's dq kernel
     off where no CTA of one document of this length would take one (CCA without sinks,
     full, sliding, streaming at their usual shapes): those programs then hold no head path
-    at all. With sinks off the group grid (N % g != 0) nearly every CTA's window starts just
-    past a key block's edge, and the head visits 16 keys instead of a whole masked block
-    (`tables.visit_tables`). Explicit `narrow_block` settings stay."""
+    at all. With sinks off the group grid (N % g != 0) in packed rows nearly every CTA's
+    window starts just past a key block's edge, and the head visits 16 keys instead of a
+    whole masked block (`tables.visit_tables`). Unpacked rows with `lead` rows (the sinks
+    moved into the slots, `blocks.sinks_as_slots`) run in the frame after the sinks, where
+    the windows are CCA's without sinks. Explicit `narrow_block` settings stay."""
     from pallas_kernels.mosaic_gpu import (mosaic_backward_config, mosaic_config,
                                            padded_head_dim)
     width = padded_head_dim(q.shape[-1]) or q.shape[-1]
-    length = q.shape[1]
+    length = q.shape[1] - lead
+    frame = dataclasses.replace(pattern, sink_tokens=0) if lead else pattern
 
     def pays(rows: int, block_kv: int, narrow: int) -> bool:
-        return bool(blocks.narrow_heads(pattern, length, rows, block_kv, narrow))
+        return bool(blocks.narrow_heads(frame, length, rows, block_kv, narrow))
     tiling = dict(tiling)
     if tiling.get("narrow_block") is None:
         fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}

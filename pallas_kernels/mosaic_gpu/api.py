@@ -11,6 +11,7 @@ fed with this forward's output and log2-sum-exp.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicBackwardConfig, M
                                               check_shared_memory, mosaic_backward_config,
                                               mosaic_config)
 from pallas_kernels.mosaic_gpu.interpret import interpret_params
+from pallas_kernels.mosaic_gpu.lead import check_lead_rows
 from pallas_kernels.shapes import check_blocked_inputs
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -38,48 +40,68 @@ def _pad_head_dim(x, width: int):
         x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig):
+def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, lead: int = 0,
+            interpreted: bool = False):
     """The kernel's operands: rows zero-padded to `cfg.row_multiple` (padded rows see only
     themselves), slots to whole key blocks (at least one), bounds stacked `[B, 3, Lp]`, and
-    the visit tables."""
+    the visit tables. With `lead` rows (`lead.py`) the bounds and tables are those of rows
+    `[lead, L)` in their own frame, and q/k/v rows stay unpadded on the GPU."""
+    from pallas_kernels.mosaic_gpu.lead import kernel_rows, shifted
     from pallas_kernels.mosaic_gpu.tables import visit_tables
-    lp = round_up(q.shape[1], cfg.row_multiple)
+    lp = round_up(q.shape[1] - lead, cfg.row_multiple)
     mp = round_up(max(ck.shape[1], 1), cfg.block_kv)
+    if lead:
+        raw_lo, core_lo, core_hi = shifted(raw_lo - lead, lead), *(
+            shifted(x, lead) for x in (core_lo, core_hi))
     rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
     tables = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
                           block_kv=cfg.block_kv, narrow=cfg.narrow_block)
-    return (pad_rows(q, lp), pad_rows(k, lp), pad_rows(v, lp), pad_rows(ck, mp),
+    return (*(kernel_rows(x, lead, lp, interpreted) for x in (q, k, v)), pad_rows(ck, mp),
             pad_rows(cv, mp), jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
 
 
-def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret):
+def _scale(cfg, d: int) -> float:
+    return 1.0 / math.sqrt(cfg.softmax_head_dim or d)
+
+
+def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret,
+             lead: int):
     from pallas_kernels.mosaic_gpu.forward import forward
-    out, lse = forward(*prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg), cfg,
-                       interpret=interpret)
+    from pallas_kernels.mosaic_gpu.lead import lead_attention, with_lead_rows
+    out, lse = forward(*prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, lead,
+                                interpret is not None), cfg,
+                       interpret=interpret, row_offset=lead)
+    if lead:
+        lead_out, lead_lse = lead_attention(q[:, :lead], k[:, :lead], v[:, :lead],
+                                            raw_lo[:, :lead], _scale(cfg, q.shape[-1]))
+        out = with_lead_rows(out, lead_out)
+        lse = jnp.concatenate([lead_lse, lse], axis=-1)
     return out[:, :q.shape[1]], lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def mosaic_core_attention(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig,
-                          backward_cfg, interpret=None):
+                          backward_cfg, interpret=None, lead: int = 0):
     """One softmax over raw keys `[raw_lo, t]` and slots `[core_lo, core_hi)` per row.
     `backward_cfg`: a MosaicBackwardConfig (the Mosaic GPU backward) or the Triton kernels'
     KernelConfig (their backward); `interpret`: None, or the GPU interpreter's params
-    (`forward.forward`; the Mosaic backward runs in it too)."""
-    return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret)[0]
+    (`forward.forward`; the Mosaic backward runs in it too); `lead`: the lead rows
+    (`blocked_attention_mosaic_gpu`'s `lead_rows`)."""
+    return _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret, lead)[0]
 
 
-def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg, interpret):
+def _vjp_fwd(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, backward_cfg, interpret, lead):
     out, lse = name_attention_residuals(
-        *_forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret))
+        *_forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, interpret, lead))
     return out, (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse)
 
 
-def _vjp_bwd(cfg, backward_cfg, interpret, residuals, dout):
+def _vjp_bwd(cfg, backward_cfg, interpret, lead, residuals, dout):
     if isinstance(backward_cfg, MosaicBackwardConfig):
         from pallas_kernels.mosaic_gpu.backward import mosaic_backward
-        grads = mosaic_backward(*residuals, dout, backward_cfg, interpret=interpret)
-    else:
+        grads = mosaic_backward(*residuals, dout, backward_cfg, interpret=interpret,
+                                lead=lead)
+    else:   # out and lse hold every row: the Triton backward needs no lead rows
         from pallas_kernels.gpu.kernels import cca_backward
         grads = cca_backward(*residuals, dout, backward_cfg)
     return (*grads, None, None, None)
@@ -107,7 +129,7 @@ def _backward_config(backward: str, dtype, width: int, softmax_head_dim: int, ba
 
 def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
                                  backward="mosaic", backward_tiling=None, interpret=None,
-                                 **tiling):
+                                 lead_rows: int = 0, **tiling):
     """One softmax per row over raw keys and slots, through the Mosaic GPU forward (sm_90).
 
     q: `[B, L, Hq, D]`; k, v: `[B, L, Hkv, D]` (query head h uses KV head h // (Hq / Hkv),
@@ -124,9 +146,14 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     GPU to run; lowers for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`)
     runs it on the CPU in jax's GPU interpreter (slow: tiny shapes only; a Triton backward
     then in Triton's interpret mode).
+    `lead_rows` N > 0 (`lead.py`; from `cca_jax.blocks.sinks_as_slots`): no row t >= N sees a
+    raw key below N and rows t < N see no slot; the kernels then run rows [N, L) in their
+    own frame and rows [0, N) are a dense N x N product. Bounds breaking that give wrong
+    results: it is the caller's promise, as the bounds' monotonicity is.
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
     check_blocked_inputs(q, k, v, ck, cv, bounds)
+    check_lead_rows(lead_rows, q.shape[1])
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, ck, cv)}
     if len(dtypes) != 1 or dtypes.pop() not in _DTYPES:
         raise ValueError(f"the Mosaic GPU kernels take bfloat16 or float16 q, k, v, ck, cv "
@@ -146,5 +173,5 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     backward_cfg = _backward_config(backward, q.dtype, width, cfg.softmax_head_dim,
                                     backward_tiling, interpret is not None)
     out = mosaic_core_attention(q, k, v, ck, cv, *(x.astype(jnp.int32) for x in bounds), cfg,
-                                backward_cfg, interpret)
+                                backward_cfg, interpret, lead_rows)
     return out[..., :d]

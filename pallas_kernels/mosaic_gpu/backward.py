@@ -12,6 +12,7 @@ each with `cfg.split_keys`).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig
 from pallas_kernels.mosaic_gpu.dq import dq as dq_kernel
 from pallas_kernels.mosaic_gpu.keys import key_grads
+from pallas_kernels.mosaic_gpu.lead import kernel_rows, lead_gradients, shifted, with_lead_rows
 from pallas_kernels.mosaic_gpu.tables import VisitTables, key_visit_tables, visit_tables
 
 
@@ -42,56 +44,75 @@ class BackwardOperands(NamedTuple):
 
 
 def backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
-                      cfg: MosaicBackwardConfig) -> BackwardOperands:
-    """The host side of `mosaic_backward` (XLA): padding, delta, tables."""
+                      cfg: MosaicBackwardConfig, lead: int = 0,
+                      interpreted: bool = False) -> BackwardOperands:
+    """The host side of `mosaic_backward` (XLA): padding, delta, tables. With `lead` rows
+    (`lead.py`): stats, bounds and tables of rows `[lead, L)` in their own frame, and q/k/v/dO
+    rows unpadded on the GPU."""
     length, m = q.shape[1], ck.shape[1]
-    lp = round_up(length, cfg.row_multiple)
+    lp = round_up(length - lead, cfg.row_multiple)
     mp = round_up(max(m, 1), cfg.slot_multiple)
+    if lead:
+        raw_lo, core_lo, core_hi = shifted(raw_lo - lead, lead), *(
+            shifted(x, lead) for x in (core_lo, core_hi))
     rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
-    rows = ((0, 0), (0, 0), (0, lp - length))
-    stats = jnp.stack([jnp.pad(lse[..., :length].astype(jnp.float32), rows),
-                       jnp.pad(softmax_delta(dout, out), rows)], axis=2)   # [B, Hq, 2, Lp]
+    rows = ((0, 0), (0, 0), (0, lp - length + lead))
+    stats = jnp.stack([jnp.pad(lse[..., lead:length].astype(jnp.float32), rows),
+                       jnp.pad(shifted(softmax_delta(dout, out), lead), rows)],
+                      axis=2)   # [B, Hq, 2, Lp]
     raw, slots = key_visit_tables(rlo, clo, chi, mp, key_rows=KEY_ROWS,
                                   compute_wgs=cfg.compute_wgs, block_q=cfg.key_block_q)
     return BackwardOperands(
-        *(pad_rows(x, lp) for x in (q, k, v)), pad_rows(ck, mp), pad_rows(cv, mp),
-        pad_rows(dout.astype(q.dtype), lp), stats, jnp.stack([rlo, clo, chi], axis=1),
+        *(kernel_rows(x, lead, lp, interpreted) for x in (q, k, v)), pad_rows(ck, mp),
+        pad_rows(cv, mp), kernel_rows(dout.astype(q.dtype), lead, lp, interpreted), stats,
+        jnp.stack([rlo, clo, chi], axis=1),
         visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
                      block_kv=cfg.block_kv, narrow=cfg.narrow_block), raw, slots)
 
 
-def query_grads(ops: BackwardOperands, cfg: MosaicBackwardConfig, interpret=None):
-    """dq `[B, Lp, Hq, D]` (the dq kernel)."""
+def query_grads(ops: BackwardOperands, cfg: MosaicBackwardConfig, interpret=None,
+                lead: int = 0):
+    """dq `[B, Lp, Hq, D]` (the dq kernel; its first `lead` rows unwritten)."""
     return dq_kernel(ops.q, ops.k, ops.v, ops.ck, ops.cv, ops.dout, ops.stats, ops.bounds,
-                     ops.query_tables.cta, ops.query_tables.wg, cfg, interpret=interpret)
+                     ops.query_tables.cta, ops.query_tables.wg, cfg, interpret=interpret,
+                     row_offset=lead)
 
 
 def keys_and_values(ops: BackwardOperands, kind: str, cfg: MosaicBackwardConfig,
-                    interpret=None):
-    """(dK, dV) of the raw keys (`kind="raw"`, `[B, Lp, Hkv, D]`) or of the slots
-    (`"core"`, `[B, Mp, Hq, D]`): one kernel, or one each with `cfg.split_keys`."""
+                    interpret=None, lead: int = 0):
+    """(dK, dV) of the raw keys (`kind="raw"`, `[B, Lp, Hkv, D]`, the first `lead` rows
+    unwritten) or of the slots (`"core"`, `[B, Mp, Hq, D]`): one kernel, or one each with
+    `cfg.split_keys`."""
     keys, values, tables = ((ops.k, ops.v, ops.raw_tables) if kind == "raw"
                             else (ops.ck, ops.cv, ops.slot_tables))
     args = (ops.q, ops.dout, ops.stats, ops.bounds, keys, values, tables.cta, tables.wg,
             kind, cfg)
     if not cfg.split_keys:
-        return key_grads(*args, interpret=interpret)
-    return (key_grads(*args, interpret=interpret, outputs=("dk",))[0],
-            key_grads(*args, interpret=interpret, outputs=("dv",))[0])
+        return key_grads(*args, interpret=interpret, row_offset=lead)
+    return (key_grads(*args, interpret=interpret, outputs=("dk",), row_offset=lead)[0],
+            key_grads(*args, interpret=interpret, outputs=("dv",), row_offset=lead)[0])
 
 
 def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
-                    cfg: MosaicBackwardConfig, interpret=None):
+                    cfg: MosaicBackwardConfig, interpret=None, lead: int = 0):
     """(dq, dk, dv, dck, dcv) of `mosaic_core_attention` (unpadded rows and slots; head dim
     as given, zero-padded columns stay zero). `out` `[B, L, Hq, D]`, `lse` `[B, Hq, >= L]`
     float32: the forward's log2-sum-exp of the scaled scores (values past L are ignored).
-    `interpret`: None, or the GPU interpreter's params (runs the kernels on the CPU)."""
+    `interpret`: None, or the GPU interpreter's params (runs the kernels on the CPU).
+    `lead`: the forward's lead rows (`lead.py`): the kernels run rows `[lead, L)` in their
+    own frame, the lead rows' block is differentiated densely."""
     length, m = q.shape[1], ck.shape[1]
-    ops = backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, cfg)
-    dq = query_grads(ops, cfg, interpret)
-    dk, dv = keys_and_values(ops, "raw", cfg, interpret)
+    ops = backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, cfg,
+                            lead, interpret is not None)
+    dq = query_grads(ops, cfg, interpret, lead)
+    dk, dv = keys_and_values(ops, "raw", cfg, interpret, lead)
     if m == 0:
         dck, dcv = jnp.zeros_like(ck), jnp.zeros_like(cv)
     else:
-        dck, dcv = keys_and_values(ops, "core", cfg, interpret)
+        dck, dcv = keys_and_values(ops, "core", cfg, interpret, lead)
+    if lead:
+        scale = 1.0 / math.sqrt(cfg.softmax_head_dim or q.shape[-1])
+        lead_grads = lead_gradients(q[:, :lead], k[:, :lead], v[:, :lead], raw_lo[:, :lead],
+                                    dout[:, :lead], scale)
+        dq, dk, dv = (with_lead_rows(x, g) for x, g in zip((dq, dk, dv), lead_grads))
     return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m])

@@ -37,9 +37,12 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
             wg_ref, dq_ref,
             q_smem, do_smem, k_smem, v_smem, rows_smem, stats_smem,
             q_bar, do_bar, rows_bar, stats_bar, k_ready, v_ready, free, *head_scratch,
-            cfg: MosaicBackwardConfig, groups: int, scale: float, interpreted: bool):
+            cfg: MosaicBackwardConfig, groups: int, scale: float, interpreted: bool,
+            row_offset: int):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
     narrow = cfg.narrow_block
+    # Rows of q/k/v/dO/dq: the kernel's frame (bounds, stats, tables) starts at row_offset.
+    at_row = (lambda r: r + row_offset) if row_offset else (lambda r: r)
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -59,10 +62,10 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
         if wgs == 2:
             plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
         r0 = tile * (bq * wgs) + wg * bq
-        rows = pl.ds(r0, bq)
+        rows, data_rows = pl.ds(r0, bq), pl.ds(at_row(r0), bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, do_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, data_rows, head], q_tile, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, data_rows, head], do_tile, do_bar.at[wg])
         plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, rows], rows_smem.at[wg],
                                 rows_bar.at[wg])
         plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, rows], stats_smem.at[wg],
@@ -122,7 +125,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
                            n_raw, functools.partial(step, visible=core_visible), dq)
         q_tile[...] = (dq * scale).astype(q_ref.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, data_rows, head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -133,7 +136,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
         if narrow:
             @pl.when(n_head > 0)
             def _():
-                keys = pl.ds(head_start, narrow)
+                keys = pl.ds(at_row(head_start), narrow)
                 for i, (ref, smem) in enumerate(((k_ref, kh_smem), (k_ref, kh32_smem),
                                                  (v_ref, vh_smem))):
                     plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem, head_bar.at[i])
@@ -141,7 +144,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
         def copy(s, slot):
             @pl.when(s < n_raw)
             def _():
-                keys = pl.ds((raw_first + s) * bk, bk)
+                keys = pl.ds(at_row((raw_first + s) * bk), bk)
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot],
                                         k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot],
@@ -158,13 +161,16 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
 
 
 def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBackwardConfig,
-       interpret=None):
+       interpret=None, row_offset: int = 0):
     """dq `[B, Lp, Hq, D]` (q's dtype) from padded inputs: q, dO `[B, Lp, Hq, D]`, k, v
     `[B, Lp, Hkv, D]`, slots `[B, Mp, Hq, D]`, stats `[B, Hq, 2, Lp]` float32 (the forward's
     log2-sum-exp, then delta = rowsum(dO * O)), bounds `[B, 3, Lp]`, and the forward's visit
     tables at (`block_q`, `compute_wgs`, `block_kv`). `interpret`: None or the GPU
-    interpreter's params (products there are plain dots, `pipeline`)."""
-    b, lp, hq, d = q.shape
+    interpreter's params (products there are plain dots, `pipeline`). `row_offset`
+    (`lead.py`): rows `[row_offset, row_offset + Lp)` of q/k/v/dO/dq, Lp the bounds'
+    length; dq's first `row_offset` rows are left unwritten."""
+    b, _, hq, d = q.shape
+    lp = bounds.shape[-1]
     wgs, stages = cfg.compute_wgs, cfg.stages
     transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
 
@@ -194,7 +200,7 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
                     plgpu.Barrier(num_barriers=3))                           # each landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2],
                                scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
-                               interpreted=interpret is not None)
+                               interpreted=interpret is not None, row_offset=row_offset)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -64,9 +64,11 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             out_ref, lse_ref,
             qo_smem, k_smem, v_smem, rows_smem, lse_smem,
             q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *head_scratch,
-            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool):
+            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool, row_offset: int):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
     narrow = cfg.narrow_block
+    # Rows of q/k/v/out: the kernel's frame (its bounds, tables and masks) starts at row_offset.
+    at_row = (lambda r: r + row_offset) if row_offset else (lambda r: r)
     dtype = q_ref.dtype
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -99,7 +101,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         r0 = tile * cfg.cta_rows + wg * bq
         qo = qo_smem.at[wg]
         rows = rows_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(r0, bq), head], qo, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(at_row(r0), bq), head], qo, q_bar.at[wg])
         plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, pl.ds(r0, bq)], rows, rows_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(rows_bar.at[wg])
@@ -215,7 +217,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         qo[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
         lse_smem.at[wg][...] = m_i + jnp.log(l_i) * _LOG2E
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo, out_ref.at[batch, pl.ds(r0, bq), head])
+        plgpu.copy_smem_to_gmem(qo, out_ref.at[batch, pl.ds(at_row(r0), bq), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(r0, bq)])
         plgpu.wait_smem_to_gmem(0)
 
@@ -230,7 +232,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
 
             @pl.when(is_raw)
             def _():
-                rows = pl.ds((raw_first + s) * bk, bk)
+                rows = pl.ds(at_row((raw_first + s) * bk), bk)
                 plgpu.copy_gmem_to_smem(raw_ref.at[batch, rows, kv_head], smem.at[slot],
                                         ready.at[slot])
 
@@ -243,7 +245,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         if narrow:
             @pl.when(n_head > 0)
             def _():
-                rows = pl.ds(head_start, narrow)
+                rows = pl.ds(at_row(head_start), narrow)
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], kh_smem, head_bar.at[0])
                 plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], vh_smem, head_bar.at[1])
 
@@ -271,13 +273,17 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
 
 
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
-            interpret=None):
+            interpret=None, row_offset: int = 0):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
     `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
     `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
     tests of the walk, pipeline and softmax: it lacks layouts, run_state and transposed
-    wgmma operands, so there the two products are plain dots on the shared-memory tiles)."""
-    b, lp, hq, d = q.shape
+    wgmma operands, so there the two products are plain dots on the shared-memory tiles).
+    `row_offset` (`lead.py`): the kernel computes rows `[row_offset, row_offset + Lp)` of
+    q/k/v/out (Lp = the bounds' length, its frame; rows of q/k/v past their end read as
+    zeros on the GPU) and leaves out's first `row_offset` rows unwritten."""
+    b, _, hq, d = q.shape
+    lp = bounds.shape[-1]
     scale = 1.0 / math.sqrt(cfg.softmax_head_dim or d)
     wgs, stages = cfg.compute_wgs, cfg.stages
     transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
@@ -309,7 +315,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
                                transforms=narrow_swizzle),                         # V head
                     plgpu.Barrier(num_barriers=2))                 # K, V head landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
-                               interpreted=interpret is not None)
+                               interpreted=interpret is not None, row_offset=row_offset)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),

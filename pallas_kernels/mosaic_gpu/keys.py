@@ -38,7 +38,7 @@ OUTPUTS = (("dk", "dv"), ("dk",), ("dv",))
 
 def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref, *refs,
             cfg: MosaicBackwardConfig, kind: str, outputs: tuple, groups: int, scale: float,
-            interpreted: bool):
+            interpreted: bool, row_offset: int):
     out_refs = dict(zip(outputs, refs))
     (k_smem, v_smem, q_smem, do_smem, rows_smem, stats_smem,
      k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free) = refs[len(outputs):]
@@ -53,13 +53,16 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
     first = cta_ref[batch, tile, Q_FIRST]
     per_head = cta_ref[batch, tile, Q_LAST] - first     # query blocks per query head
     n_steps = per_head * groups
+    # Rows of q/dO (and of raw k/v/dk/dv): the kernel's frame starts at row_offset.
+    at_row = (lambda r: r + row_offset) if row_offset else (lambda r: r)
+    at_key = at_row if kind == "raw" else (lambda x: x)
 
     @pl.when(wg < wgs)
     def _consumer():
         if wgs == 2:
             plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
         x0 = tile * (bk * wgs) + wg * bk
-        own_keys = pl.ds(x0, bk)
+        own_keys = pl.ds(at_key(x0), bk)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, own_keys, head], k_tile, k_bar.at[wg])
         if want_dk:   # V only enters dP^T, which only dK needs
@@ -134,11 +137,12 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
 
         def copy(s, slot):
             gi = 0 if groups == 1 else lax.div(s, per_head)
-            rows = pl.ds((first + s - gi * per_head) * bq, bq)
+            r0 = (first + s - gi * per_head) * bq
+            rows, data_rows = pl.ds(r0, bq), pl.ds(at_row(r0), bq)
             q_head = head if groups == 1 else head * groups + gi
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[slot],
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, data_rows, q_head], q_smem.at[slot],
                                     q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem.at[slot],
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, data_rows, q_head], do_smem.at[slot],
                                     do_ready.at[slot])
             plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, rows], rows_smem.at[slot],
                                     rows_ready.at[slot])
@@ -148,20 +152,24 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
 
 
 def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: str,
-              cfg: MosaicBackwardConfig, interpret=None, outputs: tuple = ("dk", "dv")):
+              cfg: MosaicBackwardConfig, interpret=None, outputs: tuple = ("dk", "dv"),
+              row_offset: int = 0):
     """The gradients named by `outputs` (dK, dV, in that order), shaped like `keys`,
     `values`: raw k, v `[B, Lp, Hkv, D]` (`kind="raw"`) or slots ck, cv `[B, Mp, Hq, D]`
     (`kind="core"`), from padded q, dO `[B, Lp, Hq, D]`, stats `[B, Hq, 2, Lp]` float32
     (log2-sum-exp, delta), bounds `[B, 3, Lp]` and that kind's `tables.key_visit_tables` (Lp
     and Mp multiples of `cfg.key_cta_rows` and `cfg.key_block_q`). `interpret`: None or the
-    GPU interpreter's params."""
+    GPU interpreter's params. `row_offset` (`lead.py`): rows `[row_offset, row_offset +
+    Lp)` of q/dO and, for raw keys, of k/v/dk/dv (Lp the bounds' length); the first
+    `row_offset` rows of dk/dv are left unwritten."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     outputs = tuple(outputs)
     if outputs not in OUTPUTS:
         raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}.")
-    b, lp, hq, d = q.shape
+    b, _, hq, d = q.shape
     heads = keys.shape[2]
+    key_rows = bounds.shape[-1] if kind == "raw" else keys.shape[1]
     wgs, stages = cfg.compute_wgs, cfg.stages
     transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
 
@@ -185,14 +193,14 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
     kernel = functools.partial(_kernel, cfg=cfg, kind=kind, outputs=outputs,
                                groups=hq // heads if kind == "raw" else 1,
                                scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
-                               interpreted=interpret is not None)
+                               interpreted=interpret is not None, row_offset=row_offset)
     like = {"dk": keys, "dv": values}
     grads = plgpu.kernel(
         kernel,
         out_type=tuple(jax.ShapeDtypeStruct(like[name].shape, like[name].dtype)
                        for name in outputs),
         scratch_types=scratch,
-        grid=(heads, keys.shape[1] // cfg.key_cta_rows, b),
+        grid=(heads, key_rows // cfg.key_cta_rows, b),
         grid_names=("heads", "key_tiles", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",

@@ -1,0 +1,73 @@
+"""Lead rows: the first N rows of a row that no later row sees raw (CCA's sinks once
+`cca_jax.blocks.sinks_as_slots` has moved them into the slots for every later row).
+
+The kernels then run on rows `[N, L)` in a frame shifted by N: an offset in their TMA row
+coordinates, not a copy. There CCA's raw windows lie on the key-block grid again (with 4
+sinks they start 12 keys before a block edge in the row's own frame: one more, masked, step
+per CTA). The lead rows' own N x N block is a dense product here, in XLA.
+
+On the GPU the kernels read q/k/v/dO rows unpadded: TMA zero-fills reads past the last row
+and clips writes there. jax's GPU interpreter clamps slices instead, so there the rows are
+zero-padded to whole CTAs first (`kernel_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from cca_jax.padding import pad_rows
+
+_LOG2E = math.log2(math.e)
+
+
+def check_lead_rows(lead: int, length: int) -> None:
+    if not 0 <= lead < length:
+        raise ValueError(f"lead_rows must be in [0, L) = [0, {length}), got {lead}.")
+
+
+def kernel_rows(x, lead: int, rows: int, interpreted: bool):
+    """`x` `[B, L, ...]` as the kernels read it when they run `rows` rows (whole CTAs) from
+    row `lead`: as it is on the GPU when `lead > 0` (TMA bounds), else zero-padded to
+    `lead + rows` rows."""
+    if lead and not interpreted:
+        return x
+    return pad_rows(x, lead + rows)
+
+
+def shifted(x, lead: int):
+    """Per-row values `[..., L]` of rows `[lead, L)`: the kernels' frame."""
+    return x[..., lead:]
+
+
+def lead_attention(q, k, v, raw_lo, scale: float):
+    """Output (q's dtype) and log2-sum-exp `[B, Hq, N]` float32 of the N lead rows: q
+    `[B, N, Hq, D]`, k/v `[B, N, Hkv, D]` their rows, `raw_lo` `[B, N]`; row t sees raw keys
+    `[raw_lo[t], t]`, no slots. float32 softmax; the kernels' log2 convention."""
+    f32 = jnp.float32
+    groups = q.shape[2] // k.shape[2]
+    keys = jnp.repeat(k.astype(f32), groups, axis=2)
+    values = jnp.repeat(v.astype(f32), groups, axis=2)
+    scores = jnp.einsum("bthd,buhd->bhtu", q.astype(f32), keys) * scale
+    t = jnp.arange(q.shape[1])
+    seen = (t[None, None, :] >= raw_lo[:, :, None]) & (t[None, None, :] <= t[None, :, None])
+    scores = jnp.where(seen[:, None], scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    p = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("bhtu,buhd->bthd", p, values)
+    return out.astype(q.dtype), lse * _LOG2E
+
+
+def lead_gradients(q, k, v, raw_lo, dout, scale: float):
+    """(dq, dk, dv) of the lead rows' block (`lead_attention`'s output under cotangent
+    `dout` `[B, N, Hq, D]`), in the dtypes of q, k, v."""
+    _, vjp = jax.vjp(lambda q, k, v: lead_attention(q, k, v, raw_lo, scale)[0], q, k, v)
+    return vjp(dout.astype(q.dtype))
+
+
+def with_lead_rows(x, lead_x):
+    """`x` `[B, L', ...]` with its first rows replaced by `lead_x` `[B, N, ...]` (in place
+    where XLA can: the kernels' outputs are fresh buffers)."""
+    return jax.lax.dynamic_update_slice(x, lead_x.astype(x.dtype), (0,) * x.ndim)
