@@ -7,8 +7,9 @@ On prepared inputs (q, k, v, the pooled slots and row bounds of `slots_and_bound
 Mosaic forward's output and log2-sum-exp, a fixed cotangent; B = 1, Hq = 32, D = 128, CCA
 g = 16, s = 1024, bf16), per backward tiling: the forward kernel, the backward's host side
 (padding, delta, tables: `backward.backward_operands`; also its stats and its tables
-alone), the dq kernel, the dk/dv kernel
-(raw keys), the dck/dcv kernel (slots), and the whole backward (`mosaic_backward`). Every
+alone, and delta as an einsum and as a multiply-sum), the dq kernel, the dk/dv kernel
+(raw keys), the dck/dcv kernel (slots), and the whole backward (`mosaic_backward`). With
+`--sinks N` the kernels run in the frame after the sinks, as the backend runs them. Every
 program is compiled first, then all are timed one call each per round (median over
 --rounds). TFLOP/s count each kernel's products over the scores its rows see: forward 2
 (S, PV), dq 3 (S, dP, dS K), dk/dv and dck/dcv 4 (S^T, P^T dO, V dO^T, dS^T Q), over the
@@ -30,7 +31,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
 from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
 from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
-from cca_jax.blocks import CCA  # noqa: E402
+from cca_jax.blocks import CCA, lead_rows, sinks_as_slots  # noqa: E402
 
 
 def _visible(raw_lo, core_lo, core_hi) -> tuple[int, int]:
@@ -88,12 +89,27 @@ def _pooling_programs(pattern) -> dict:
     return parts
 
 
-def _programs(cfg, interpret=None) -> dict:
-    """part -> jitted fn of (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout)."""
+def _delta_programs() -> dict:
+    """part -> jitted fn of the backward's inputs: delta = rowsum(dO * O) `[B, Hq, L]` as
+    the library computes it (`padding.softmax_delta`, an einsum) and as a multiply-sum then
+    a transpose (the pooling's lesson: einsums of narrow rows can materialize operands)."""
+    from cca_jax.padding import softmax_delta
+
+    def mulsum(*a):
+        out, dout = a[-3], a[-1]
+        rows = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        return jnp.swapaxes(rows, 1, 2)
+    return {"delta[einsum]": jax.jit(lambda *a: softmax_delta(a[-1], a[-3])),
+            "delta[mulsum]": jax.jit(mulsum)}
+
+
+def _programs(cfg, interpret=None, lead: int = 0) -> dict:
+    """part -> jitted fn of (q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout);
+    `lead`: the forward's lead rows (CCA's sinks in the frame after them)."""
     from pallas_kernels.mosaic_gpu import backward as bw
 
     def operands(*a):
-        return bw.backward_operands(*a, cfg)
+        return bw.backward_operands(*a, cfg, lead, interpret is not None)
 
     def host_part(*fields):
         """Only these fields of the host side (the rest is dead code to XLA)."""
@@ -103,10 +119,10 @@ def _programs(cfg, interpret=None) -> dict:
         "host[stats]": host_part("stats"),                 # delta = rowsum(dO O), with lse
         "host[query tables]": host_part("query_tables"),
         "host[key tables]": host_part("raw_tables", "slot_tables"),
-        "dq": lambda *a: bw.query_grads(operands(*a), cfg, interpret),
-        "dk/dv": lambda *a: bw.keys_and_values(operands(*a), "raw", cfg, interpret),
-        "dck/dcv": lambda *a: bw.keys_and_values(operands(*a), "core", cfg, interpret),
-        "backward": lambda *a: bw.mosaic_backward(*a, cfg, interpret=interpret),
+        "dq": lambda *a: bw.query_grads(operands(*a), cfg, interpret, lead),
+        "dk/dv": lambda *a: bw.keys_and_values(operands(*a), "raw", cfg, interpret, lead),
+        "dck/dcv": lambda *a: bw.keys_and_values(operands(*a), "core", cfg, interpret, lead),
+        "backward": lambda *a: bw.mosaic_backward(*a, cfg, interpret=interpret, lead=lead),
     }
     return {name: jax.jit(fn) for name, fn in parts.items()}
 
@@ -141,8 +157,11 @@ def main(argv=None):
         k, v = (jax.random.normal(x, (1, args.length, hkv, args.d), jnp.bfloat16)
                 for x in keys[1:3])
         ck, cv, *bounds = jax.jit(lambda q, k, v: slots_and_bounds(q, k, v, pattern))(q, k, v)
+        lead = lead_rows(pattern, args.length)   # sinks: the frame after them, as the backend
+        if lead:
+            bounds = sinks_as_slots(pattern, *bounds)
         bounds = [b.astype(jnp.int32) for b in bounds]
-        forward = jax.jit(lambda *a: _forward(*a, fwd_cfg, interpret))
+        forward = jax.jit(lambda *a: _forward(*a, fwd_cfg, interpret, lead))
         fwd_inputs = (q, k, v, ck, cv, *bounds)
         out, lse = forward(*fwd_inputs)
         dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
@@ -155,10 +174,12 @@ def main(argv=None):
                     for x in jax.random.split(keys[3], 2))
         tilings += [(part, "", fn, (q, k, v, dck, dcv))
                     for part, fn in _pooling_programs(pattern).items()]
+        tilings += [(part, "", fn, bwd_inputs) for part, fn in _delta_programs().items()]
         for tiling in json.loads(args.backward_tilings):
             cfg = mosaic_backward_config(head_dim=args.d, **tiling)
             label = ",".join(f"{k}={v}" for k, v in sorted(tiling.items()))
-            tilings += [(part, label, fn, bwd_inputs) for part, fn in _programs(cfg, interpret).items()]
+            tilings += [(part, label, fn, bwd_inputs)
+                        for part, fn in _programs(cfg, interpret, lead).items()]
         for part, label, fn, inputs in tilings:
             key = (hkv, part, label)
             rec = dict(base, part=part, backward_tiling=label, L=args.length, hq=args.hq,

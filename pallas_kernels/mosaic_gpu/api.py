@@ -65,7 +65,7 @@ def _scale(cfg, d: int) -> float:
 
 
 def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret,
-             lead: int):
+             lead: int = 0):
     from pallas_kernels.mosaic_gpu.forward import forward
     from pallas_kernels.mosaic_gpu.lead import lead_attention, with_lead_rows
     out, lse = forward(*prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg, lead,
