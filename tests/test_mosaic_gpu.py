@@ -250,6 +250,33 @@ def test_backend_compiles_the_narrow_head_in_only_where_a_cta_takes_one():
     assert _narrow_where_it_pays(sinks, q, {}, lead=4) == off
 
 
+def test_backend_runs_unpacked_sinks_after_their_lead_rows(monkeypatch):
+    """The Mosaic backend passes `lead_rows` = N with the sinks moved into the slots
+    (`blocks.sinks_as_slots`) for unpacked rows whose N sinks are all pooled, and the plain
+    bounds with no lead rows for packed rows, for rows too short to pool every sink, and for
+    CCA without sinks."""
+    import pallas_kernels.mosaic_gpu as mosaic
+    from cca_jax.attention.pallas_mosaic_gpu import attention_mosaic_gpu
+    calls = []
+
+    def record(q, k, v, ck, cv, *bounds, lead_rows=0, **kw):
+        calls.append((lead_rows, [np.asarray(b) for b in bounds]))
+        return q
+    monkeypatch.setattr(mosaic, "blocked_attention_mosaic_gpu", record)
+    sinks = blocks.CCA(16, 64, 4)
+    for length, pattern, seg, lead in ((300, sinks, None, 4), (300, sinks, "packed", 0),
+                                       (80, sinks, None, 0), (300, blocks.CCA(16, 64), None, 0)):
+        q, k, v, _ = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=0)
+        seg = jnp.asarray(_segments(1, length, 2)) if seg else None
+        attention_mosaic_gpu(q, k, v, pattern, segment_ids=seg)
+        got_lead, bounds = calls.pop()
+        plain = [np.asarray(b) for b in blocks.pattern_ranges(pattern, length, seg)[:3]]
+        want = blocks.sinks_as_slots(pattern, *plain) if lead else plain
+        assert got_lead == lead, (length, pattern, seg is not None)
+        for got, w in zip(bounds, want):
+            np.testing.assert_array_equal(got, np.broadcast_to(w, got.shape))
+
+
 def _frame_counts(pattern, length: int, lead: int, narrow: int):
     """(ring steps, narrow heads, masked warpgroup-steps) of the forward's walk at the
     default tiling over rows `[lead, length)` of `blocks.pattern_ranges` (the sinks moved
