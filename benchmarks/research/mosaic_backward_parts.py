@@ -124,12 +124,11 @@ def _programs(cfg, interpret=None, lead: int = 0) -> dict:
         "dck/dcv": lambda *a: bw.keys_and_values(operands(*a), "core", cfg, interpret, lead),
         "backward": lambda *a: bw.mosaic_backward(*a, cfg, interpret=interpret, lead=lead),
     }
-    # Under the GPU interpreter the backward runs op by op: jitted whole (three kernels and
-    # the host side in one program, two consumer warpgroups) it hangs on a 2-core CPU, the
-    # kernels' simulated threads starving the program's thread pool (pallas_kernels/
-    # mosaic_gpu/NOTES.md); each kernel alone runs jitted.
-    return {name: fn if interpret is not None and name == "backward" else jax.jit(fn)
-            for name, fn in parts.items()}
+    # Under the GPU interpreter the kernels run op by op: jitted with the host side in one
+    # program (two consumer warpgroups) they hang on a 2-core CPU, their simulated threads
+    # starving the program's thread pool (pallas_kernels/mosaic_gpu/NOTES.md).
+    return {name: fn if interpret is not None and not name.startswith("host") else
+            jax.jit(fn) for name, fn in parts.items()}
 
 
 def main(argv=None):
@@ -166,7 +165,9 @@ def main(argv=None):
         if lead:
             bounds = sinks_as_slots(pattern, *bounds)
         bounds = [b.astype(jnp.int32) for b in bounds]
-        forward = jax.jit(lambda *a: _forward(*a, fwd_cfg, interpret, lead))
+        forward = lambda *a: _forward(*a, fwd_cfg, interpret, lead)  # noqa: E731
+        if interpret is None:   # op by op under the interpreter: see `_programs`
+            forward = jax.jit(forward)
         fwd_inputs = (q, k, v, ck, cv, *bounds)
         out, lse = forward(*fwd_inputs)
         dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)

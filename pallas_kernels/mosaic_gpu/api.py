@@ -11,7 +11,6 @@ fed with this forward's output and log2-sum-exp.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from cca_jax.remat import name_attention_residuals
 from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicBackwardConfig, MosaicConfig,
                                               check_backward_shared_memory,
                                               check_shared_memory, mosaic_backward_config,
-                                              mosaic_config)
+                                              mosaic_config, softmax_scale)
 from pallas_kernels.mosaic_gpu.interpret import interpret_params
 from pallas_kernels.mosaic_gpu.lead import check_lead_rows
 from pallas_kernels.shapes import check_blocked_inputs
@@ -60,10 +59,6 @@ def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, lead: 
             pad_rows(cv, mp), jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
 
 
-def _scale(cfg, d: int) -> float:
-    return 1.0 / math.sqrt(cfg.softmax_head_dim or d)
-
-
 def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret,
              lead: int = 0):
     from pallas_kernels.mosaic_gpu.forward import forward
@@ -73,7 +68,7 @@ def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, inter
                        interpret=interpret, row_offset=lead)
     if lead:
         lead_out, lead_lse = lead_attention(q[:, :lead], k[:, :lead], v[:, :lead],
-                                            raw_lo[:, :lead], _scale(cfg, q.shape[-1]))
+                                            raw_lo[:, :lead], softmax_scale(cfg, q.shape[-1]))
         out = with_lead_rows(out, lead_out)
         lse = jnp.concatenate([lead_lse, lse], axis=-1)
     return out[:, :q.shape[1]], lse

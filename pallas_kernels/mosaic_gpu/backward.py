@@ -12,14 +12,13 @@ each with `cfg.split_keys`).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
-from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig
+from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.dq import dq as dq_kernel
 from pallas_kernels.mosaic_gpu.keys import key_grads
 from pallas_kernels.mosaic_gpu.lead import kernel_rows, lead_gradients, shifted, with_lead_rows
@@ -111,8 +110,7 @@ def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
     else:
         dck, dcv = keys_and_values(ops, "core", cfg, interpret, lead)
     if lead:
-        scale = 1.0 / math.sqrt(cfg.softmax_head_dim or q.shape[-1])
         lead_grads = lead_gradients(q[:, :lead], k[:, :lead], v[:, :lead], raw_lo[:, :lead],
-                                    dout[:, :lead], scale)
+                                    dout[:, :lead], softmax_scale(cfg, q.shape[-1]))
         dq, dk, dv = (with_lead_rows(x, g) for x, g in zip((dq, dk, dv), lead_grads))
     return (dq[:, :length], dk[:, :length], dv[:, :length], dck[:, :m], dcv[:, :m])

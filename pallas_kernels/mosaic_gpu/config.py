@@ -9,6 +9,7 @@ instead of deep inside the Mosaic GPU compiler.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 # Hopper's shared memory per CTA (sm_90: 227 KiB usable of 228).
@@ -26,6 +27,12 @@ NARROW_CHOICES = (0, 16, 32)
 WIDE_HEAD_DIM = 256
 WIDE_FORWARD_DEFAULTS = {"block_kv": 64, "stages": 2}
 WIDE_BACKWARD_DEFAULTS = {"compute_wgs": 1, "stages": 2, "split_keys": True}
+
+
+def softmax_scale(cfg, head_dim: int) -> float:
+    """1 / sqrt(D) of a forward or backward config at kernel head dim `head_dim`: D is the
+    real head dim when the api zero-padded it (`softmax_head_dim`)."""
+    return 1.0 / math.sqrt(cfg.softmax_head_dim or head_dim)
 
 
 class MosaicConfig(NamedTuple):

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import MosaicBackwardConfig
+from pallas_kernels.mosaic_gpu.config import MosaicBackwardConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
                                               RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
@@ -199,7 +199,7 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
                     plgpu.SMEM((n, d), q.dtype, transforms=transforms),      # V head
                     plgpu.Barrier(num_barriers=3))                           # each landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2],
-                               scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
+                               scale=softmax_scale(cfg, d),
                                interpreted=interpret is not None, row_offset=row_offset)
     return plgpu.kernel(
         kernel,

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.mosaic_gpu.config import MosaicConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
                                               RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
@@ -284,7 +284,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     zeros on the GPU) and leaves out's first `row_offset` rows unwritten."""
     b, _, hq, d = q.shape
     lp = bounds.shape[-1]
-    scale = 1.0 / math.sqrt(cfg.softmax_head_dim or d)
+    scale = softmax_scale(cfg, d)
     wgs, stages = cfg.compute_wgs, cfg.stages
     transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
 

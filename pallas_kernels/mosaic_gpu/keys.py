@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig
+from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.tables import Q_FIRST, Q_FULL_FIRST, Q_FULL_LAST, Q_LAST
 
 _LOG2E = math.log2(math.e)
@@ -192,7 +192,7 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
     )
     kernel = functools.partial(_kernel, cfg=cfg, kind=kind, outputs=outputs,
                                groups=hq // heads if kind == "raw" else 1,
-                               scale=1.0 / math.sqrt(cfg.softmax_head_dim or d),
+                               scale=softmax_scale(cfg, d),
                                interpreted=interpret is not None, row_offset=row_offset)
     like = {"dk": keys, "dv": values}
     grads = plgpu.kernel(
