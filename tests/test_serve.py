@@ -728,6 +728,50 @@ def test_engine_over_a_mesh_equals_generate():
     assert engine.stats()["compilations_since_ready"] == 0
 
 
+def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens():
+    """`parallel_compile`: the prefill and decode programs lowered, then compiled in threads
+    at once; the warm-up's calls find them in jit's cache (as many compilations at start-up
+    as one after another, none after ready), and requests get generate()'s greedy tokens."""
+    import threading
+
+    from cca_jax.config import LlamaConfig
+    from cca_jax.generate import generate
+    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.serve.engine import Engine, EngineConfig, Request
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                      dtype="float32", param_dtype="float32", eos_token_id=None,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
+    prompts = [[5, 6, 7], list(range(1, 40))]
+    want = [generate(model, [p], max_new_tokens=6, max_len=96)[0] for p in prompts]
+    counts = {}
+    for parallel in (False, True):
+        jax.clear_caches()
+        engine = Engine(model, EngineConfig(max_batch=2, max_len=96, chunk_size=16,
+                                            decode_chunk_size=8, parallel_compile=parallel))
+        got, done = [[] for _ in prompts], threading.Semaphore(0)
+
+        def listener(i, got=got, done=done):
+            def on_event(token, reason):
+                done.release() if token is None else got[i].append(token)
+            return on_event
+        engine.start()
+        try:
+            for i, p in enumerate(prompts):
+                engine.submit(Request(p, max_tokens=6), listener(i))
+            for _ in prompts:
+                assert done.acquire(timeout=120)
+        finally:
+            engine.shutdown()
+        assert engine.error is None and got == want, parallel
+        stats = engine.stats()
+        assert stats["compilations_since_ready"] == 0
+        counts[parallel] = stats["compilations_at_startup"]
+    assert counts[True] == counts[False] > 0, counts
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--chunk-size", "16", "--decode-chunk-size", "32"],
      r"--decode-chunk-size \(32\) must be <= --chunk-size \(16\)"),

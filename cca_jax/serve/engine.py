@@ -76,6 +76,12 @@ class EngineConfig:
     # layers unrolled (`prefill_chunk(unroll_layers=True)`: weights read in place, ~4 ms a
     # chunk less at the 7B shape, a compile several times longer); 0: never
     unroll_chunk_tokens: int = 512
+    # compile the prefill and decode programs at start-up in threads at once (XLA compiles
+    # outside the GIL), so that a cold start may wait for the longest compile, not their
+    # sum. Off by default: on a 2-core CPU it started slower (16 layers: 17.9-18.3 s against
+    # 16.2-16.9 s); whether the GPU's compiles overlap is still to measure
+    # (benchmarks/research/decode_compile_probe.py --parallel)
+    parallel_compile: bool = False
 
     def unrolls(self, chunk: int) -> bool:
         """Whether this engine's prefill chunk of `chunk` tokens a row runs unrolled."""
@@ -410,15 +416,40 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Run each program once on inputs that change nothing (no active row, no valid
-        token), so that every one is compiled before the first request."""
+        token), so that every one is compiled before the first request (with
+        `parallel_compile`, the prefill and decode programs all at once first)."""
         b, p = self.config.max_batch, self.config.prefill_rows
         self._cache = _reset_rows(self._cache, np.zeros(b, bool))
         rows = None if p == b else np.arange(p, dtype=np.int32)
+        if self.config.parallel_compile:
+            self._compile_at_once(rows)
         for chunk in self.config.chunk_sizes:
             self._run_prefill(rows, np.zeros((p, chunk), np.int32), np.zeros(p, np.int32),
                               [None] * p, warm_up=True)
         for pool in self._pool_programs():
             self._run_decode(np.zeros(b, bool), [None] * b, pool, warm_up=True)
+
+    def _compile_at_once(self, rows) -> None:
+        """Lower the prefill and decode programs with the warm-up's arguments (one by one:
+        tracing holds the GIL), then compile them in threads at once; jit's cache then
+        holds them for the warm-up's calls."""
+        import concurrent.futures
+        b, p = self.config.max_batch, self.config.prefill_rows
+        lowered = []
+        with mesh_context(self.mesh):
+            for chunk in self.config.chunk_sizes:
+                lowered.append(_prefill_and_sample.lower(
+                    self._model_state, self._cache, rows, np.zeros((p, chunk), np.int32),
+                    np.zeros(p, np.int32), *self._settings([None] * p),
+                    unroll=self.config.unrolls(chunk)))
+            zeros = np.zeros(b, np.int32)
+            for pool in self._pool_programs():
+                lowered.append(_decode_and_sample.lower(
+                    self._model_state, self._cache, zeros, np.zeros(b, bool),
+                    *self._settings([None] * b)[:1], zeros, *self._settings([None] * b)[1:],
+                    pool_slots=pool))
+        with concurrent.futures.ThreadPoolExecutor(len(lowered)) as threads:
+            list(threads.map(lambda program: program.compile(), lowered))
 
     def _pool_programs(self) -> list[bool]:
         """The decode programs this cache can need: without pooling, and with it if some
