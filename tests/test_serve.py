@@ -686,12 +686,10 @@ def test_serve_trace_deadline_reports_what_was_served():
 def test_engine_over_a_mesh_equals_generate():
     """The engine over the devices (rows over data, heads over tensor 2; the sharding table)
     gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time."""
-    import threading
-
     from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
     from cca_jax.model import LlamaForCausalLM
-    from cca_jax.serve.engine import Engine, EngineConfig, Request
+    from cca_jax.serve.engine import Engine, EngineConfig
     from cca_jax.sharding import make_mesh, parse_mesh
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -705,39 +703,42 @@ def test_engine_over_a_mesh_equals_generate():
     engine = Engine(model, EngineConfig(max_batch=4, max_len=128, chunk_size=16,
                                         prefill_rows=2),
                     mesh=make_mesh(parse_mesh("data=-1,tensor=2")))
-    got = [[] for _ in prompts]
-    done = threading.Semaphore(0)
+    assert _served(engine, prompts, 10) == want
+    assert engine.stats()["compilations_since_ready"] == 0
+
+
+def _served(engine, prompts, max_tokens: int) -> list[list[int]]:
+    """Start `engine`, submit every prompt at once, wait for all, shut it down: the tokens
+    each got (the engine must not have failed)."""
+    import threading
+
+    from cca_jax.serve.engine import Request
+    got, done = [[] for _ in prompts], threading.Semaphore(0)
 
     def listener(i):
         def on_event(token, reason):
-            if token is None:
-                done.release()
-            else:
-                got[i].append(token)
+            done.release() if token is None else got[i].append(token)
         return on_event
-
     engine.start()
     try:
         for i, p in enumerate(prompts):
-            engine.submit(Request(p, max_tokens=10), listener(i))
+            engine.submit(Request(p, max_tokens=max_tokens), listener(i))
         for _ in prompts:
             assert done.acquire(timeout=120)
     finally:
         engine.shutdown()
-    assert engine.error is None and got == want
-    assert engine.stats()["compilations_since_ready"] == 0
+    assert engine.error is None
+    return got
 
 
 def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens():
     """`parallel_compile`: the prefill and decode programs lowered, then compiled in threads
     at once; the warm-up's calls find them in jit's cache (as many compilations at start-up
     as one after another, none after ready), and requests get generate()'s greedy tokens."""
-    import threading
-
     from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
     from cca_jax.model import LlamaForCausalLM
-    from cca_jax.serve.engine import Engine, EngineConfig, Request
+    from cca_jax.serve.engine import Engine, EngineConfig
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
@@ -751,21 +752,7 @@ def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens
         jax.clear_caches()
         engine = Engine(model, EngineConfig(max_batch=2, max_len=96, chunk_size=16,
                                             decode_chunk_size=8, parallel_compile=parallel))
-        got, done = [[] for _ in prompts], threading.Semaphore(0)
-
-        def listener(i, got=got, done=done):
-            def on_event(token, reason):
-                done.release() if token is None else got[i].append(token)
-            return on_event
-        engine.start()
-        try:
-            for i, p in enumerate(prompts):
-                engine.submit(Request(p, max_tokens=6), listener(i))
-            for _ in prompts:
-                assert done.acquire(timeout=120)
-        finally:
-            engine.shutdown()
-        assert engine.error is None and got == want, parallel
+        assert _served(engine, prompts, 6) == want, parallel
         stats = engine.stats()
         assert stats["compilations_since_ready"] == 0
         counts[parallel] = stats["compilations_at_startup"]
