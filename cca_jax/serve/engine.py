@@ -78,9 +78,10 @@ class EngineConfig:
     unroll_chunk_tokens: int = 512
     # compile the prefill and decode programs at start-up in threads at once (XLA compiles
     # outside the GIL), so that a cold start may wait for the longest compile, not their
-    # sum. Off by default: on a 2-core CPU it started slower (16 layers: 17.9-18.3 s against
-    # 16.2-16.9 s); whether the GPU's compiles overlap is still to measure
-    # (benchmarks/research/decode_compile_probe.py --parallel)
+    # sum. Off by default: on a 2-core CPU it started slower (16 layers: 18.29 s against
+    # 17.88, benchmarks/results/research/serve_parallel_compile_cpu.md); whether the GPU's
+    # compiles overlap is still to measure (benchmarks/research/decode_compile_probe.py
+    # --parallel)
     parallel_compile: bool = False
 
     def unrolls(self, chunk: int) -> bool:
