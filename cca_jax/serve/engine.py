@@ -444,11 +444,11 @@ class Engine:
                     np.zeros(p, np.int32), *self._settings([None] * p),
                     unroll=self.config.unrolls(chunk)))
             zeros = np.zeros(b, np.int32)
+            seeds, *sampling = self._settings([None] * b)
             for pool in self._pool_programs():
                 lowered.append(_decode_and_sample.lower(
-                    self._model_state, self._cache, zeros, np.zeros(b, bool),
-                    *self._settings([None] * b)[:1], zeros, *self._settings([None] * b)[1:],
-                    pool_slots=pool))
+                    self._model_state, self._cache, zeros, np.zeros(b, bool), seeds, zeros,
+                    *sampling, pool_slots=pool))
         with concurrent.futures.ThreadPoolExecutor(len(lowered)) as threads:
             list(threads.map(lambda program: program.compile(), lowered))
 

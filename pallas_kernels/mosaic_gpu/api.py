@@ -45,14 +45,11 @@ def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, lead: 
     themselves), slots to whole key blocks (at least one), bounds stacked `[B, 3, Lp]`, and
     the visit tables. With `lead` rows (`lead.py`) the bounds and tables are those of rows
     `[lead, L)` in their own frame, and q/k/v rows stay unpadded on the GPU."""
-    from pallas_kernels.mosaic_gpu.lead import kernel_rows, shifted
+    from pallas_kernels.mosaic_gpu.lead import frame_bounds, kernel_rows
     from pallas_kernels.mosaic_gpu.tables import visit_tables
     lp = round_up(q.shape[1] - lead, cfg.row_multiple)
     mp = round_up(max(ck.shape[1], 1), cfg.block_kv)
-    if lead:
-        raw_lo, core_lo, core_hi = shifted(raw_lo - lead, lead), *(
-            shifted(x, lead) for x in (core_lo, core_hi))
-    rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
+    rlo, clo, chi = pad_row_bounds(*frame_bounds(raw_lo, core_lo, core_hi, lead), lp)
     tables = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
                           block_kv=cfg.block_kv, narrow=cfg.narrow_block)
     return (*(kernel_rows(x, lead, lp, interpreted) for x in (q, k, v)), pad_rows(ck, mp),

@@ -21,7 +21,8 @@ from cca_jax.padding import pad_row_bounds, pad_rows, round_up, softmax_delta
 from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.dq import dq as dq_kernel
 from pallas_kernels.mosaic_gpu.keys import key_grads
-from pallas_kernels.mosaic_gpu.lead import kernel_rows, lead_gradients, shifted, with_lead_rows
+from pallas_kernels.mosaic_gpu.lead import (frame_bounds, kernel_rows, lead_gradients, shifted,
+                                            with_lead_rows)
 from pallas_kernels.mosaic_gpu.tables import VisitTables, key_visit_tables, visit_tables
 
 
@@ -51,10 +52,7 @@ def backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
     length, m = q.shape[1], ck.shape[1]
     lp = round_up(length - lead, cfg.row_multiple)
     mp = round_up(max(m, 1), cfg.slot_multiple)
-    if lead:
-        raw_lo, core_lo, core_hi = shifted(raw_lo - lead, lead), *(
-            shifted(x, lead) for x in (core_lo, core_hi))
-    rlo, clo, chi = pad_row_bounds(raw_lo, core_lo, core_hi, lp)
+    rlo, clo, chi = pad_row_bounds(*frame_bounds(raw_lo, core_lo, core_hi, lead), lp)
     rows = ((0, 0), (0, 0), (0, lp - length + lead))
     stats = jnp.stack([jnp.pad(lse[..., lead:length].astype(jnp.float32), rows),
                        jnp.pad(shifted(softmax_delta(dout, out), lead), rows)],

@@ -42,6 +42,14 @@ def shifted(x, lead: int):
     return x[..., lead:]
 
 
+def frame_bounds(raw_lo, core_lo, core_hi, lead: int):
+    """Row bounds `[B, L]` of rows `[lead, L)` in the kernels' frame (raw keys counted from
+    row `lead`; slots as they are); as given when `lead` is 0."""
+    if not lead:
+        return raw_lo, core_lo, core_hi
+    return shifted(raw_lo - lead, lead), shifted(core_lo, lead), shifted(core_hi, lead)
+
+
 def lead_attention(q, k, v, raw_lo, scale: float):
     """Output (q's dtype) and log2-sum-exp `[B, Hq, N]` float32 of the N lead rows: q
     `[B, N, Hq, D]`, k/v `[B, N, Hkv, D]` their rows, `raw_lo` `[B, N]`; row t sees raw keys
