@@ -7,7 +7,8 @@ On prepared inputs (q, k, v, the pooled slots and row bounds of `slots_and_bound
 Mosaic forward's output and log2-sum-exp, a fixed cotangent; B = 1, Hq = 32, D = 128, CCA
 g = 16, s = 1024, bf16), per backward tiling: the forward kernel, the backward's host side
 (padding, delta, tables: `backward.backward_operands`; also its stats and its tables
-alone, and delta as an einsum and as a multiply-sum), the dq kernel, the dk/dv kernel
+alone; delta as a multiply-sum and as an einsum; the key tables' binary searches
+unrolled and as a while loop), the dq kernel, the dk/dv kernel
 (raw keys), the dck/dcv kernel (slots), and the whole backward (`mosaic_backward`). With
 `--sinks N` the kernels run in the frame after the sinks, as the backend runs them. Every
 program is compiled first, then all are timed one call each per round (median over
@@ -90,17 +91,35 @@ def _pooling_programs(pattern) -> dict:
 
 
 def _delta_programs() -> dict:
-    """part -> jitted fn of the backward's inputs: delta = rowsum(dO * O) `[B, Hq, L]` as
-    the library computes it (`padding.softmax_delta`, an einsum) and as a multiply-sum then
-    a transpose (the pooling's lesson: einsums of narrow rows can materialize operands)."""
+    """part -> jitted fn of the backward's inputs: delta = rowsum(dO * O) `[B, Hq, L]` as the
+    library computes it (`padding.softmax_delta`, a multiply-sum then a transpose) and as the
+    einsum it was before 2026-12-06 (a dot with one batch per row and head)."""
     from cca_jax.padding import softmax_delta
 
-    def mulsum(*a):
+    def einsum(*a):
         out, dout = a[-3], a[-1]
-        rows = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-        return jnp.swapaxes(rows, 1, 2)
-    return {"delta[einsum]": jax.jit(lambda *a: softmax_delta(a[-1], a[-3])),
-            "delta[mulsum]": jax.jit(mulsum)}
+        return jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    return {"delta[mulsum]": jax.jit(lambda *a: softmax_delta(a[-1], a[-3])),
+            "delta[einsum]": jax.jit(einsum)}
+
+
+def _search_programs(cfg) -> dict:
+    """part -> jitted fn of the backward's inputs: the key-side tables' binary searches
+    (`blocks.raw_key_rows` of each key block's first and last key, per CTA's keys) as the
+    library runs them (unrolled, `blocks.search_sorted`) and as a while loop (jnp's default
+    before 2026-12-06)."""
+    from pallas_kernels.mosaic_gpu.config import KEY_ROWS
+
+    def search(method):
+        def fn(*a):
+            raw_lo = a[5]
+            step = KEY_ROWS * cfg.compute_wgs
+            x0 = jnp.arange(raw_lo.shape[1] // step, dtype=jnp.int32) * step
+            keys = jnp.concatenate([x0, x0 + step - 1])
+            return jax.vmap(lambda lo: jnp.searchsorted(lo, keys, side="right",
+                                                        method=method))(raw_lo)
+        return jax.jit(fn)
+    return {"search[unrolled]": search("scan_unrolled"), "search[while]": search("scan")}
 
 
 def _programs(cfg, interpret=None, lead: int = 0) -> dict:
@@ -181,6 +200,8 @@ def main(argv=None):
         tilings += [(part, "", fn, (q, k, v, dck, dcv))
                     for part, fn in _pooling_programs(pattern).items()]
         tilings += [(part, "", fn, bwd_inputs) for part, fn in _delta_programs().items()]
+        tilings += [(part, "", fn, bwd_inputs) for part, fn in
+                    _search_programs(mosaic_backward_config(head_dim=args.d)).items()]
         for tiling in json.loads(args.backward_tilings):
             cfg = mosaic_backward_config(head_dim=args.d, **tiling)
             label = ",".join(f"{k}={v}" for k, v in sorted(tiling.items()))

@@ -73,7 +73,8 @@ from cca_jax.attention.pooling import pool_pattern_slots
 from cca_jax.attention.backends import blocked_backend
 from cca_jax.attention.checks import check_inputs, check_option
 from cca_jax.attention.xla import default_blocking
-from cca_jax.blocks import AttentionPattern, pattern_ranges, slot_ends_bound, widest_window
+from cca_jax.blocks import (AttentionPattern, pattern_ranges, search_sorted, slot_ends_bound,
+                            widest_window)
 from cca_jax.sharding import MESH_AXES, logical_spec
 
 __all__ = ["sequence_sharded_attention", "zigzag_permutation", "sequence_layout",
@@ -278,7 +279,7 @@ def _shard(q, k, v, seg, *, pattern: AttentionPattern, pooling: str, lay: Sequen
         real = slot < core_hi[:, length - 1:]          # the last row sees every slot of its doc
         ends = jnp.where(real, lasts, length)          # non-decreasing
         chunk_starts = jnp.arange(nc, dtype=jnp.int32) * c_len
-        before = jax.vmap(lambda e: jnp.searchsorted(e, chunk_starts, side="left"))(ends)
+        before = jax.vmap(lambda e: search_sorted(e, chunk_starts, side="left"))(ends)
         pooled = []
         for ch, off, qx, kx, vx in zip(chunk_ids, offsets, qs, ks, vs):
             mine = jnp.take(before, ch, axis=1)[:, None] + jnp.arange(cap, dtype=jnp.int32)
