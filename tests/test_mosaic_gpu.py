@@ -82,10 +82,14 @@ def test_save_attention_remat_runs_the_forward_kernel_once(remat, kernels):
 ])
 def test_gradient_lowers_for_cuda(backward, m, kernels):
     """jax.grad through it, D = 96 zero-padded to 128, GQA, L = 700: the Mosaic backward
-    is Mosaic GPU kernels only (no Triton one); the Triton one stays selectable."""
+    is Mosaic GPU kernels only (no Triton one); the Triton one stays selectable. Around
+    the kernels, no while loop (a few launches per iteration on a GPU: the tables' binary
+    searches are unrolled) and no dot (delta and pooling are multiply-sums)."""
     text = _lowered_text("bfloat16", 96, 8, 2, 700, m, grad=True, backward=backward)
     assert text.count("mosaic_gpu_v2(") == kernels["mosaic"]
     assert text.count("xla.gpu.triton") == kernels["triton"]
+    around = [line for line in text.splitlines() if "custom_call" not in line]  # not in IR
+    assert not [line for line in around if "stablehlo.while" in line or "dot_general" in line]
 
 
 @pytest.mark.parametrize("d,m,kernels", [
