@@ -17,5 +17,5 @@ while read -r name limit cmd; do
   [ -z "$name" ] && continue
   case "$name" in \#*) continue;; esac
   step "$name" "$limit" bash -c "$cmd"
-done < /root/srv/benchmarks/device_chain/steps.txt
+done < /root/srv/benchmarks/device_chain/$(cat /root/job/steps_file)
 echo finished > /root/job/finished

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# start.sh COMMIT: install carried wheels, copy the tree to /root/srv, start the chain in the background.
+# start.sh COMMIT [STEPS]: install carried wheels, copy the tree to /root/srv, start the chain of
+# STEPS (a file beside this one; steps.txt by default) in the background.
 set -u
 COMMIT=${1:-unknown}
+STEPS=${2:-steps.txt}
 if [ ! -f /root/job/started ]; then
   mkdir -p /root/job/out /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /root/job/pip.log 2>&1
   rm -rf /root/srv && mkdir -p /root/srv && cp -r . /root/srv/ && rm -rf /root/srv/.whl /root/srv/.git
   echo "$COMMIT" > /root/job/commit
+  echo "$STEPS" > /root/job/steps_file
   date -u +%FT%TZ > /root/job/started
   setsid nohup bash /root/srv/benchmarks/device_chain/chain.sh > /root/job/chain.log 2>&1 < /dev/null &
 fi
