@@ -104,22 +104,25 @@ def _delta_programs() -> dict:
 
 
 def _search_programs(cfg) -> dict:
-    """part -> jitted fn of the backward's inputs: the key-side tables' binary searches
-    (`blocks.raw_key_rows` of each key block's first and last key, per CTA's keys) as the
-    library runs them (unrolled, `blocks.search_sorted`) and as a while loop (jnp's default
-    before 2026-12-06)."""
+    """part -> jitted fn of the backward's inputs: the key-side tables' binary searches (the
+    last row that sees each key block's first and last key, per CTA's keys) as the library
+    runs them (`blocks.raw_key_rows`, unrolled) and as a while loop (jnp's default before
+    2026-12-06)."""
+    from cca_jax.blocks import raw_key_rows
     from pallas_kernels.mosaic_gpu.config import KEY_ROWS
 
-    def search(method):
-        def fn(*a):
-            raw_lo = a[5]
-            step = KEY_ROWS * cfg.compute_wgs
-            x0 = jnp.arange(raw_lo.shape[1] // step, dtype=jnp.int32) * step
-            keys = jnp.concatenate([x0, x0 + step - 1])
-            return jax.vmap(lambda lo: jnp.searchsorted(lo, keys, side="right",
-                                                        method=method))(raw_lo)
-        return jax.jit(fn)
-    return {"search[unrolled]": search("scan_unrolled"), "search[while]": search("scan")}
+    def block_edges(raw_lo):
+        step = KEY_ROWS * cfg.compute_wgs
+        x0 = jnp.arange(raw_lo.shape[1] // step, dtype=jnp.int32) * step
+        return jnp.concatenate([x0, x0 + step - 1])
+
+    def unrolled(*a):
+        return raw_key_rows(a[5], block_edges(a[5]))
+
+    def while_loop(*a):
+        keys = block_edges(a[5])
+        return jax.vmap(lambda lo: jnp.searchsorted(lo, keys, side="right") - 1)(a[5])
+    return {"search[unrolled]": jax.jit(unrolled), "search[while]": jax.jit(while_loop)}
 
 
 def _programs(cfg, interpret=None, lead: int = 0) -> dict:
