@@ -536,13 +536,19 @@ def test_mean_and_max_pooling_decode_equals_prefill(pooling):
                                        err_msg=f"{pooling}: row {b}, position {pos[b]}")
 
 
-def test_prefill_runs_the_last_layer_for_the_last_tokens_only():
+def test_prefill_runs_the_last_layer_for_the_last_tokens_only(monkeypatch):
     """Without `return_all_logits`, the last layer's attention (the decode attention over the
-    filled cache), output projection and MLP run for each row's last token only. Chunks of 5
+    filled cache, through the backend's `prefill_rows` entry), output projection and MLP run
+    for each row's last token only. Chunks of 5
     (a first chunk, then chunks at an offset) with `xla`, a blocked implementation, whose
     first chunk pools its slots once for the attention and the cache (the other tests run the
     `naive` model's own attention, with all logits): the last logits are the full forward's,
     the cache is one prefill's."""
+    from cca_jax.attention.xla import XLA
+    traced = []
+    real = XLA._prefill_rows
+    monkeypatch.setattr(XLA, "_prefill_rows", lambda *a: traced.append(1) or real(*a))
+    jax.clear_caches()      # trace the chunk programs here
     s = get_setup("cca")
     one_cache, _ = s.one_prefill()
     cfg = s.cfg.replace(implementation="xla")
@@ -552,6 +558,7 @@ def test_prefill_runs_the_last_layer_for_the_last_tokens_only():
     for b, n in enumerate(ROW_LENGTHS):
         np.testing.assert_allclose(np.asarray(last)[b], s.ref[b, n - 1], atol=LOGIT_TOL)
     assert_caches_equal(cache, one_cache)
+    assert traced
 
 
 def test_cache_contents_are_the_spec_layout():

@@ -170,6 +170,8 @@ def test_input_errors():
         blocked_attention_mosaic_gpu(q, k, v, ck, cv, b[0][:, :5], b[1], b[2])
     with pytest.raises(ValueError, match=r"lead_rows must be in \[0, L\)"):
         blocked_attention_mosaic_gpu(q, k, v, ck, cv, *b, lead_rows=q.shape[1])
+    with pytest.raises(ValueError, match="multiple of 8.*lead_rows=0"):
+        blocked_attention_mosaic_gpu(q, k, v, ck, cv, *b, lead_rows=4)
 
 
 def test_backward_config_defaults_fit_shared_memory():
@@ -250,15 +252,16 @@ def test_backend_compiles_the_narrow_head_in_only_where_a_cta_takes_one():
     triton = {"backward": "triton", "backward_tiling": {"block_q": 64}}
     assert _narrow_where_it_pays(blocks.CCA(16, 1024), q, triton) == {**triton,
                                                                        "narrow_block": 0}
-    # Unpacked rows run after their lead rows (the sinks): no CTA takes a head there.
-    assert _narrow_where_it_pays(sinks, q, {}, lead=4) == off
+    # Unpacked rows run after their lead rows (8 sinks): no CTA takes a head there.
+    assert _narrow_where_it_pays(blocks.CCA(16, 1024, 8), q, {}, lead=8) == off
 
 
 def test_backend_runs_unpacked_sinks_after_their_lead_rows(monkeypatch):
     """The Mosaic backend passes `lead_rows` = N with the sinks moved into the slots
-    (`blocks.sinks_as_slots`) for unpacked rows whose N sinks are all pooled, and the plain
-    bounds with no lead rows for packed rows, for rows too short to pool every sink, and for
-    CCA without sinks."""
+    (`blocks.sinks_as_slots`) for unpacked rows whose N sinks are all pooled and N is a
+    multiple of 8, and the plain bounds with no lead rows for 4 sinks (TMA row tiles of 8:
+    the narrow heads serve them), for packed rows, for rows too short to pool every sink,
+    and for CCA without sinks."""
     import pallas_kernels.mosaic_gpu as mosaic
     from cca_jax.attention.pallas_mosaic_gpu import attention_mosaic_gpu
     calls = []
@@ -267,9 +270,10 @@ def test_backend_runs_unpacked_sinks_after_their_lead_rows(monkeypatch):
         calls.append((lead_rows, [np.asarray(b) for b in bounds]))
         return q
     monkeypatch.setattr(mosaic, "blocked_attention_mosaic_gpu", record)
-    sinks = blocks.CCA(16, 64, 4)
-    for length, pattern, seg, lead in ((300, sinks, None, 4), (300, sinks, "packed", 0),
-                                       (80, sinks, None, 0), (300, blocks.CCA(16, 64), None, 0)):
+    sinks = blocks.CCA(16, 64, 8)
+    for length, pattern, seg, lead in ((300, sinks, None, 8), (300, blocks.CCA(16, 64, 4), None, 0),
+                                       (300, sinks, "packed", 0), (80, sinks, None, 0),
+                                       (300, blocks.CCA(16, 64), None, 0)):
         q, k, v, _ = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=0)
         seg = jnp.asarray(_segments(1, length, 2)) if seg else None
         attention_mosaic_gpu(q, k, v, pattern, segment_ids=seg)
@@ -303,14 +307,14 @@ def _frame_counts(pattern, length: int, lead: int, narrow: int):
 
 
 def test_the_frame_after_the_sinks_walks_the_steps_of_cca_without_them():
-    """4 sinks shift every CCA window 4 keys off the 128-key grid: in the row's own frame
+    """8 sinks shift every CCA window 8 keys off the 128-key grid: in the row's own frame
     each CTA takes one more masked step (or a narrow head). In the frame after the sinks
-    (`lead_rows`) the walk is CCA's without sinks but for the 4 slots more, at 16K (measured:
-    1643 steps against 1628, 766 masked warpgroup-steps against 736; the narrow heads: 1635
-    + 119 heads, 988 masked)."""
-    length, sinks = 16384, blocks.CCA(16, 1024, 4)
-    plain = _frame_counts(blocks.CCA(16, 1024), length - 4, 0, 0)
-    frame = _frame_counts(sinks, length, 4, 0)
+    (`lead_rows`) the walk is CCA's without sinks but for the 8 slots more, at 16K (counted:
+    1643 steps against 1628, 759 masked warpgroup-steps against 743; the narrow heads: 1635
+    + 119 heads, 981 masked). (4 sinks count the same, but TMA cannot start at row 4.)"""
+    length, sinks = 16384, blocks.CCA(16, 1024, 8)
+    plain = _frame_counts(blocks.CCA(16, 1024), length - 8, 0, 0)
+    frame = _frame_counts(sinks, length, 8, 0)
     heads = _frame_counts(sinks, length, 0, 16)
     assert frame[1] == 0 and heads[1] > 100
     assert plain[0] <= frame[0] <= 1.01 * plain[0], (frame, plain)
@@ -323,9 +327,9 @@ def test_lead_rows_lower_for_cuda():
     XLA written over the output's first rows, and the gradient four Mosaic kernels; no
     Triton kernel (D = 128 and the split-key D = 256)."""
     for d, kernels in ((128, 4), (256, 6)):
-        text = _lowered_text("bfloat16", d, 8, 2, 1000, 70, lead_rows=4)
+        text = _lowered_text("bfloat16", d, 8, 2, 1000, 70, lead_rows=8)
         assert text.count("mosaic_gpu_v2(") == 1 and "dynamic_update_slice" in text
-        text = _lowered_text("bfloat16", d, 8, 2, 1000, 70, grad=True, lead_rows=4)
+        text = _lowered_text("bfloat16", d, 8, 2, 1000, 70, grad=True, lead_rows=8)
         assert text.count("mosaic_gpu_v2(") == kernels and "xla.gpu.triton" not in text
 
 
@@ -618,15 +622,19 @@ def test_gpu_narrow_head_with_sinks_matches_float64_and_triton(dtype, d):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("dtype,d,length", [("bfloat16", 128, 1000), ("float16", 64, 1028),
-                                            ("bfloat16", 256, 1000)])
-def test_gpu_sinks_after_the_lead_rows_match_float64(dtype, d, length):
-    """CCA with 4 sinks (g = 16, s = 256) on unpacked rows through the Mosaic backend: the
-    kernels run rows [4, L) with a row offset in their TMA coordinates, reading q/k/v/dO
-    unpadded (L = 1000: TMA zero-fills the rows past the end and clips the stores; L = 1028:
-    whole CTAs). Output and q/k/v gradients against SPEC 6 in float64, row by row."""
+@pytest.mark.parametrize("dtype,d,length,sinks", [
+    ("bfloat16", 128, 1000, 8), ("float16", 64, 1032, 8), ("bfloat16", 256, 1000, 16)])
+def test_gpu_sinks_after_the_lead_rows_match_float64(dtype, d, length, sinks):
+    """CCA with 8 or 16 sinks (g = 16, s = 256) on unpacked rows through the Mosaic backend:
+    the kernels run rows [N, L) with a row offset in their TMA coordinates, reading q/k/v/dO
+    unpadded (L = 1000: TMA zero-fills the rows past the end and clips the stores; L = 1032:
+    whole CTAs). Output and q/k/v gradients against SPEC 6 in float64, row by row. (4 sinks
+    as lead rows failed to compile: TMA rows start on 8-row tiles; they take the narrow
+    heads, `test_gpu_narrow_head_with_sinks_matches_float64_and_triton`.)"""
+    from cca_jax.attention.pallas_mosaic_gpu import kernel_lead_rows
     from tests.row_errors import row_max_error
-    pattern = blocks.CCA(16, 256, 4)
+    pattern = blocks.CCA(16, 256, sinks)
+    assert kernel_lead_rows(pattern, length, False) == sinks
     q, k, v, ct = _inputs(2, length, 4, 2, d, jnp.dtype(dtype), seed=13)
     out, grads = jax.jit(functools.partial(_sinks_through_the_backend, pattern=pattern))(
         q, k, v, ct)
@@ -830,20 +838,20 @@ def _sinks_reference64(q, k, v, ct, pattern):
 
 
 @pytest.mark.slow   # about 15 s each: the interpreter at 260-300 rows
-@pytest.mark.parametrize("length", [260, 300])
+@pytest.mark.parametrize("length", [264, 300])
 def test_interpreted_forward_after_the_lead_rows_matches_float64(length):
-    """CCA with 4 sinks (g = 16, s = 64) through the kernel in the frame after the sinks
-    (`blocks.sinks_as_slots`, `lead_rows` 4: a row offset in the TMA coordinates, the 4 x 4
+    """CCA with 8 sinks (g = 16, s = 64) through the kernel in the frame after the sinks
+    (`blocks.sinks_as_slots`, `lead_rows` 8: a row offset in the TMA coordinates, the 8 x 8
     lead block dense), in the GPU interpreter, against SPEC 6 in float64: L - N a whole
-    number of CTAs (260: q/k/v read unpadded, as on the GPU) and ragged (300: padded)."""
+    number of CTAs (264: q/k/v read unpadded, as on the GPU) and ragged (300: padded)."""
     from cca_jax.attention.pooling import slots_and_bounds
     from tests.row_errors import row_max_error
-    pattern = blocks.CCA(16, 64, 4)
+    pattern = blocks.CCA(16, 64, 8)
     q, k, v, ct = _inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=3)
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern)
-    assert blocks.lead_rows(pattern, length) == 4
+    assert blocks.lead_rows(pattern, length) == 8
     out = blocked_attention_mosaic_gpu(q, k, v, ck, cv, *blocks.sinks_as_slots(pattern, *bounds),
-                                       interpret=True, lead_rows=4, compute_wgs=2, block_kv=64)
+                                       interpret=True, lead_rows=8, compute_wgs=2, block_kv=64)
     want, _ = _sinks_reference64(q, k, v, ct, pattern)
     err = row_max_error(out, want)
     print(f"L={length}: row error vs float64 {err:.2e}")
@@ -852,12 +860,12 @@ def test_interpreted_forward_after_the_lead_rows_matches_float64(length):
 
 @pytest.mark.slow   # about 70 s: the interpreted forward and backward
 def test_interpreted_sinks_through_the_backend_match_float64():
-    """The Mosaic backend with CCA + 4 sinks on unpacked rows (ragged L, GQA): forward and
+    """The Mosaic backend with CCA + 8 sinks on unpacked rows (ragged L, GQA): forward and
     the three backward kernels in the frame after the sinks, the lead rows' block and its
     gradient dense, the sinks' gradients through their slots; output and q/k/v gradients
     against SPEC 6 in float64, row by row."""
     from tests.row_errors import row_max_error
-    pattern = blocks.CCA(16, 64, 4)
+    pattern = blocks.CCA(16, 64, 8)
     q, k, v, ct = _inputs(1, 300, 4, 2, 64, jnp.bfloat16, seed=5)
     out, grads = _sinks_through_the_backend(q, k, v, ct, pattern)
     want, want_grads = _sinks_reference64(q, k, v, ct, pattern)

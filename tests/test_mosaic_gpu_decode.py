@@ -233,6 +233,34 @@ def test_backend_decode_runs_the_triton_kernel_while_jax_has_it(monkeypatch, hq,
     assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, d)
 
 
+def test_prefill_rows_run_the_mosaic_kernel_while_decode_borrows_triton(monkeypatch):
+    """A prefill's last-layer rows (`Backend.prefill_rows`) go through the Mosaic decode
+    kernel even while the decode step borrows the Triton one: a default prefill on Hopper
+    then lowers no Triton kernel (the GPU test of the defaults' warnings). The same
+    function within bf16 rounding of the Triton kernel; a cache the Mosaic kernel refuses
+    (G = 32) falls back to the decode entry."""
+    from cca_jax.attention.pallas_gpu import PALLAS_GPU
+    from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
+    from pallas_kernels.mosaic_gpu import decode as mosaic_decode
+
+    calls = []
+    real = mosaic_decode.decode_attention_mosaic_gpu
+    monkeypatch.setattr(mosaic_decode, "decode_attention_mosaic_gpu",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    args = _backend_case(4, 2, jnp.bfloat16, seed=4)
+    triton = np.asarray(PALLAS_GPU.decode(*args), np.float32)
+    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*args), np.float32), triton)
+    assert not calls
+    own = np.asarray(MOSAIC_GPU.prefill_rows(*args), np.float32)
+    assert calls
+    assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, 64)
+    calls.clear()
+    wide = _backend_case(32, 1, jnp.bfloat16, seed=1)
+    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.prefill_rows(*wide), np.float32),
+                                  np.asarray(PALLAS_GPU.decode(*wide), np.float32))
+    assert not calls
+
+
 def test_backend_decode_without_triton_runs_its_own_kernel_and_names_what_it_refuses(
         monkeypatch):
     """Without the Triton lowering, `mosaic_gpu`'s decode entry (what a model's decode step

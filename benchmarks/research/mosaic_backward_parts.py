@@ -31,8 +31,9 @@ import jax.numpy as jnp
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
 from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from cca_jax.attention.pallas_mosaic_gpu import kernel_lead_rows  # noqa: E402
 from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
-from cca_jax.blocks import CCA, lead_rows, sinks_as_slots  # noqa: E402
+from cca_jax.blocks import CCA, sinks_as_slots  # noqa: E402
 
 
 def _visible(raw_lo, core_lo, core_hi) -> tuple[int, int]:
@@ -183,7 +184,7 @@ def main(argv=None):
         k, v = (jax.random.normal(x, (1, args.length, hkv, args.d), jnp.bfloat16)
                 for x in keys[1:3])
         ck, cv, *bounds = jax.jit(lambda q, k, v: slots_and_bounds(q, k, v, pattern))(q, k, v)
-        lead = lead_rows(pattern, args.length)   # sinks: the frame after them, as the backend
+        lead = kernel_lead_rows(pattern, args.length, False)   # as the backend
         if lead:
             bounds = sinks_as_slots(pattern, *bounds)
         bounds = [b.astype(jnp.int32) for b in bounds]

@@ -140,8 +140,9 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     then in Triton's interpret mode).
     `lead_rows` N > 0 (`lead.py`; from `cca_jax.blocks.sinks_as_slots`): no row t >= N sees a
     raw key below N and rows t < N see no slot; the kernels then run rows [N, L) in their
-    own frame and rows [0, N) are a dense N x N product. Bounds breaking that give wrong
-    results: it is the caller's promise, as the bounds' monotonicity is.
+    own frame and rows [0, N) are a dense N x N product. N is a multiple of 8
+    (`lead.LEAD_ROW_MULTIPLE`). Bounds breaking that give wrong results: it is the
+    caller's promise, as the bounds' monotonicity is.
     """
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
     check_blocked_inputs(q, k, v, ck, cv, bounds)

@@ -9,6 +9,12 @@ per CTA). The lead rows' own N x N block is a dense product here, in XLA.
 On the GPU the kernels read q/k/v/dO rows unpadded: TMA zero-fills reads past the last row
 and clips writes there. jax's GPU interpreter clamps slices instead, so there the rows are
 zero-padded to whole CTAs first (`kernel_rows`).
+
+N must be a multiple of `LEAD_ROW_MULTIPLE`: Mosaic GPU tiles a TMA copy into swizzled
+shared memory by 8 rows, so a copy's row start must be a multiple of 8. With N = 4 every
+kernel fails to compile, in its layout inference (H100, jax 0.11.2, 2026-12-06:
+benchmarks/results/research/h100_2026-12-06.md); jax's GPU interpreter and cross-lowering
+do not check it. Other N run in the rows' own frame (`cca_jax.attention.pallas_mosaic_gpu`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,23 @@ import jax.numpy as jnp
 from cca_jax.padding import pad_rows
 
 _LOG2E = math.log2(math.e)
+LEAD_ROW_MULTIPLE = 8   # rows of a TMA tile in swizzled shared memory (2-byte dtypes)
+
+
+def lead_rows_fit(lead: int) -> bool:
+    """Whether the kernels can run in the frame after `lead` rows (a whole number of TMA
+    row tiles)."""
+    return lead % LEAD_ROW_MULTIPLE == 0
 
 
 def check_lead_rows(lead: int, length: int) -> None:
     if not 0 <= lead < length:
         raise ValueError(f"lead_rows must be in [0, L) = [0, {length}), got {lead}.")
+    if not lead_rows_fit(lead):
+        raise ValueError(
+            f"lead_rows must be a multiple of {LEAD_ROW_MULTIPLE} (Mosaic GPU's TMA copies "
+            f"start on whole {LEAD_ROW_MULTIPLE}-row tiles), got {lead}; pass lead_rows=0 "
+            "and the bounds of the rows' own frame (the backend's choice for such N).")
 
 
 def kernel_rows(x, lead: int, rows: int, interpreted: bool):
