@@ -9,10 +9,10 @@ row: ~N more visited keys out of ~5000 at 128K). Here every (implementation, sin
 program is compiled first, then all are timed one call each per round (median over
 --rounds), so drift hits every one alike. A call is the whole backend (`run_attention`:
 pooling, bounds and the kernels), bf16, B = 1, Hq = 32, D = 128, CCA g = 16, s = 1024;
-`fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v. Writes `<out>.json` (records stamped
-with commit, device, jax, date, command) and `<out>.md` (each time and its ratio to the same
-implementation and mode without sinks, and the largest relative L2 of its output (fwd) or
-gradients (fwd+bwd) against the first implementation's at the same sinks). `--profile DIR`:
+`fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v (ct in the inputs' dtype). Writes
+`<out>.json` (records stamped with commit, device, jax, date, command) and `<out>.md` (each
+time and its ratio to the same implementation and mode without sinks, and the largest
+relative L2 of its output (fwd) or gradients (fwd+bwd) against the first implementation's at the same sinks). `--profile DIR`:
 one more call of each program under `jax.profiler`, its GPU kernels by time in the record
 (`kernels`) and in a second table: which kernel the sinks' time goes to.
 """
@@ -40,8 +40,9 @@ def _program(impl: str, pattern, mode: str):
         return run_attention(q, k, v, pattern, implementation=impl)
 
     def grads(q, k, v, ct):
-        return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, ct).astype(jnp.float32) * ct),
-                        argnums=(0, 1, 2))(q, k, v)
+        def loss(q, k, v):
+            return jnp.sum(fwd(q, k, v, ct).astype(jnp.float32) * ct.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     return jax.jit(fwd if mode == "fwd" else grads)
 
 
@@ -77,7 +78,7 @@ def main(argv=None):
     q = jax.random.normal(keys[0], (1, args.length, args.hq, args.d), jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, args.length, args.hkv, args.d), jnp.bfloat16)
             for x in keys[1:3])
-    ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+    ct = jax.random.normal(keys[3], q.shape, q.dtype)   # as a model's o_proj hands it back
     inputs = jax.block_until_ready((q, k, v, ct))
     base = stamp(argv)
     records, calls = [], {}
