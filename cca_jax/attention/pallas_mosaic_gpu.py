@@ -178,7 +178,7 @@ class MosaicGpuBackend(Backend):
                                             backward_tiling={"narrow_block": 0})
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
-        from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu, decode_refusal
+        from pallas_kernels.mosaic_gpu.decode import decode_refusal
         d, groups = q.shape[-1], q.shape[1] // k_all.shape[-2]
         borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, d, False,
                                        "decode")
