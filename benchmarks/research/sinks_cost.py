@@ -12,9 +12,10 @@ pooling, bounds and the kernels), bf16, B = 1, Hq = 32, D = 128, CCA g = 16, s =
 `fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v (ct in the inputs' dtype). Writes
 `<out>.json` (records stamped with commit, device, jax, date, command) and `<out>.md` (each
 time and its ratio to the same implementation and mode without sinks, and the largest
-relative L2 of its output (fwd) or gradients (fwd+bwd) against the first implementation's at the same sinks). `--profile DIR`:
-one more call of each program under `jax.profiler`, its GPU kernels by time in the record
-(`kernels`) and in a second table: which kernel the sinks' time goes to.
+relative L2 of its output (fwd) or gradients (fwd+bwd) against the first implementation's
+at the same sinks). `--profile DIR`: one more call of each program under `jax.profiler`, its
+GPU kernels by time in the record (`kernels`) and in a second table: which kernel the
+sinks' time goes to.
 """
 
 from __future__ import annotations
