@@ -181,8 +181,8 @@ def write_results(records, args, argv, quiet=False):
              f"B=1, D={args.d}, g={args.g}, s={args.s}, CCA sink tokens {args.sink_tokens}, "
              "bf16 (the output's cotangent too), causal. TFLOP/s count only visible scores "
              "(fwd+bwd = 3.5x fwd); x cuDNN = full_cudnn time / this time, same shape, same "
-             "run; errors against cca_xla (output: max abs and relative L2; gradients of q, k, v: largest relative "
-             "L2).", "",
+             "run; errors against cca_xla (output: max abs and relative L2; gradients of q, "
+             "k, v: largest relative L2).", "",
              "| impl | L | Hq | Hkv | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s "
              "| x cuDNN fwd | x cuDNN fwd+bwd | fwd mem GiB | fwd+bwd mem GiB | max err "
              "| out rel L2 | grad rel L2 |",
