@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # start.sh COMMIT [STEPS]: install carried wheels, copy the tree to /root/srv, start the chain of
-# STEPS (a file beside this one; steps.txt by default) in the background.
+# STEPS (a file beside this one; steps.txt by default; `auto` picks by card) in the background.
 set -u
 COMMIT=${1:-unknown}
 STEPS=${2:-steps.txt}
+if [ "$STEPS" = auto ]; then  # the full H200 chain on an H200, the steps that fit 80 GB elsewhere
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then STEPS=steps.txt; else STEPS=steps_h100.txt; fi
+fi
 if [ ! -f /root/job/started ]; then
   mkdir -p /root/job/out /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /root/job/pip.log 2>&1
