@@ -335,6 +335,15 @@ def test_lead_rows_lower_for_cuda():
         assert text.count("mosaic_gpu_v2(") == kernels and "xla.gpu.triton" not in text
 
 
+def test_kernels_carry_their_names_into_profiles():
+    """Each kernel is named (a profile otherwise lists all four as
+    `anonymous_mosaic_gpu_kernel`, and a sinks or tiling change cannot be pinned on one)."""
+    import re
+    text = _lowered_text("bfloat16", 128, 8, 2, 1000, 70, grad=True)
+    names = set(re.findall(r"(cca_\w+)_mosaic_gpu", text))
+    assert names == {"cca_forward", "cca_dq", "cca_dk_dv", "cca_dck_dcv"}, names
+
+
 # ---- CPU: the block walk against dense visibility -------------------------------------------
 
 def _segments(b, length, seed):

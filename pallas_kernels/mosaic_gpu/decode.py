@@ -368,6 +368,7 @@ def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_s
         scratch_types=scratch,
         grid=(hkv, splits, b),
         grid_names=("kv_heads", "splits", "batch"),
+        kernel_name="cca_decode",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(layer, *bounds, q_rows, k_ring, v_ring, ck, cv)

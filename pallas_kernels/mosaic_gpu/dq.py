@@ -207,6 +207,7 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
         scratch_types=scratch,
         grid=(hq, lp // (cfg.block_q * wgs), b),
         grid_names=("heads", "q_tiles", "batch"),
+        kernel_name="cca_dq",
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -323,6 +323,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
         scratch_types=scratch,
         grid=(hq, lp // cfg.cta_rows, b),
         grid_names=("heads", "q_tiles", "batch"),
+        kernel_name="cca_forward",   # profiles tell the four kernels apart by name
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

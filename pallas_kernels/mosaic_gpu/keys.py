@@ -202,6 +202,7 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
         scratch_types=scratch,
         grid=(heads, key_rows // cfg.key_cta_rows, b),
         grid_names=("heads", "key_tiles", "batch"),
+        kernel_name="cca_dk_dv" if kind == "raw" else "cca_dck_dcv",
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
