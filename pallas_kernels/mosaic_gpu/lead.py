@@ -102,5 +102,11 @@ def lead_gradients(q, k, v, raw_lo, dout, scale: float):
 
 def with_lead_rows(x, lead_x):
     """`x` `[B, L', ...]` with its first rows replaced by `lead_x` `[B, N, ...]` (in place
-    where XLA can: the kernels' outputs are fresh buffers)."""
+    where XLA can: the kernels' outputs are fresh buffers).
+
+    `x` passes an optimization barrier first: a kernel's output as the update's target
+    failed XLA's dynamic-slice fusion in a forward-only program at 128K (H100, jax 0.11.2:
+    "DUS target must be a fusion parameter, got %mpmd_map.1"); through the barrier it
+    compiles, and 8 sinks cost 0.99x of none forward (`research/h100_2026-12-06b.md`)."""
+    x = jax.lax.optimization_barrier(x)
     return jax.lax.dynamic_update_slice(x, lead_x.astype(x.dtype), (0,) * x.ndim)
