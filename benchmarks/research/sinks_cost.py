@@ -15,12 +15,14 @@ time and its ratio to the same implementation and mode without sinks, and the la
 relative L2 of its output (fwd) or gradients (fwd+bwd) against the first implementation's
 at the same sinks). `--profile DIR`: one more call of each program under `jax.profiler`, its
 GPU kernels by time in the record (`kernels`) and in a second table: which kernel the
-sinks' time goes to.
+sinks' time goes to; each program's optimized HLO is written beside (`<out>_<impl>_<sinks>_<mode>
+.hlo.txt.gz`), to read what a fusion of the profile computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import sys
 import time
@@ -133,6 +135,10 @@ def main(argv=None):
             key = (rec["impl"], rec["sink_tokens"], rec["mode"])
             if key in calls:
                 rec["kernels"] = _profile(calls[key], inputs, args.profile, key)
+                # The optimized HLO beside the results: what each profiled fusion computes.
+                hlo = f"{args.out}_{'_'.join(map(str, key)).replace('+', '_')}.hlo.txt.gz"
+                with gzip.open(hlo, "wt") as f:
+                    f.write(calls[key].as_text())
                 longest = "; ".join(f"{k['name'][:48]} x{k['count']} {k['ms']:.2f}"
                                     for k in rec["kernels"]["top"][:8])
                 rows.append(f"| {key[0]} | {key[2]} | {key[1]} | "
