@@ -101,9 +101,9 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
         q = q.astype(cache.k.dtype)
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         if shared and out_rows is None:
-            new_ck, new_cv, *bounds = slots_and_bounds(q, k, v, pat,
-                                                       pooling=cfg.attention.pooling,
-                                                       min_slots=pooled)
+            new_ck, new_cv, *bounds = slots_and_bounds(
+                q, k, v, pat, pooling=cfg.attention.pooling,
+                min_slots=BACKENDS[name].slots_to_pool(pooled, cfg.head_dim))
             _, blocking = chunk_blocking(n, 0, new_ck.shape[1], cfg.head_dim)
             out = BACKENDS[name].blocked(q, k, v, new_ck, new_cv, *bounds, blocking, window)
         else:

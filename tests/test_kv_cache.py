@@ -561,6 +561,29 @@ def test_prefill_runs_the_last_layer_for_the_last_tokens_only(monkeypatch):
     assert traced
 
 
+def test_prefill_pools_the_slots_its_backend_asks_for(monkeypatch):
+    """A first chunk pools `Backend.slots_to_pool(needed)` slots (the Mosaic backend asks
+    for whole slot blocks, so that its kernels pad none) and stores the ones it needs: with
+    `xla` asking for 3 more (7 pooled, as many groups as end in the prompt), one
+    whole-prompt chunk gives the same last logits as the full forward and the same cache as
+    one prefill."""
+    from cca_jax.attention.xla import XLA
+    asked = []
+    monkeypatch.setattr(XLA, "slots_to_pool", lambda n, d: asked.append(n) or n + 3)
+    jax.clear_caches()
+    s = get_setup("cca")
+    one_cache, _ = s.one_prefill()
+    cfg = s.cfg.replace(implementation="xla")
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(s.model, nnx.Param))
+    cache, last = prefill(model, init_cache(cfg, 3, MAX_LEN), s.ids, ROW_LENGTHS,
+                          chunk_size=SEQ)
+    for b, n in enumerate(ROW_LENGTHS):
+        np.testing.assert_allclose(np.asarray(last)[b], s.ref[b, n - 1], atol=LOGIT_TOL)
+    assert_caches_equal(cache, one_cache)
+    assert asked and set(asked) == {6}   # the cache keeps 6 slots; 7 groups end in 29
+
+
 def test_cache_contents_are_the_spec_layout():
     """The ring holds each position's RoPE'd key at entry u % R (unwritten entries zero), and
     cca slot c is SPEC section 1's pooling of group c with the query of its last token."""

@@ -285,6 +285,31 @@ def test_backend_runs_unpacked_sinks_after_their_lead_rows(monkeypatch):
             np.testing.assert_array_equal(got, np.broadcast_to(w, got.shape))
 
 
+def test_backend_pools_whole_slot_blocks_so_no_kernel_pads_them(monkeypatch):
+    """Unpacked rows pool their 192 slots (L = 4096, g = 16, s = 1024) up to 256, whole
+    blocks of the forward and of the backward: the program lowered for "cuda" (forward and
+    gradient) pads no slot tensor, and its slots are the 256 pooled ones. Packed rows pool
+    what they need."""
+    import re
+    from cca_jax.attention import pallas_mosaic_gpu
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
+    monkeypatch.setattr(pallas_mosaic_gpu, "_interpret_default", lambda interpret: False)
+    q, kv = S((1, 4096, 8, 128), jnp.bfloat16), S((1, 4096, 2, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = pallas_mosaic_gpu.attention_mosaic_gpu(q, k, v, blocks.CCA(16, 1024))
+        return jnp.sum(out.astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    slot_pads = [line for line in text.splitlines()
+                 if "stablehlo.pad" in line and re.search(r"-> tensor<1x256x8x128x", line)]
+    assert not slot_pads, slot_pads
+    assert "tensor<1x256x8x128xbf16>" in text
+    assert pallas_mosaic_gpu.MOSAIC_GPU.slots_to_pool(192, 128) == 256
+    assert pallas_mosaic_gpu._whole_slot_blocks(192, 128, {"block_kv": 64,
+                                                           "backward": "triton"}) == 192
+
+
 def _frame_counts(pattern, length: int, lead: int, narrow: int):
     """(ring steps, narrow heads, masked warpgroup-steps) of the forward's walk at the
     default tiling over rows `[lead, length)` of `blocks.pattern_ranges` (the sinks moved

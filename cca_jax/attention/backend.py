@@ -100,6 +100,12 @@ class Backend:
         serve it better), or None. An explicit request still runs it."""
         return None
 
+    def slots_to_pool(self, slots: int, head_dim: int) -> int:
+        """How many slots a caller of `blocked` should pool when it needs `slots`: more where
+        the kernels would otherwise zero-pad the slot axis to whole blocks (a copy); a row
+        reads only its visible slots, so the extra ones change nothing."""
+        return slots
+
     # ---- entry points: the named scope here, the work in the subclasses' `_` methods ----
 
     def attention(self, q, k, v, pattern: AttentionPattern, *, pooling: str, segment_ids):
