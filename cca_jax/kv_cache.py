@@ -168,25 +168,15 @@ def put_rows_of_layer(x, i, rows, value):
     return x
 
 
-def put_slot_run(x, i, rows, first, slot, update):
-    """`x[i, rows[p], slot[p, j]] = update[p, j]` where `slot[p]` is the run of consecutive
-    slot indices `first[p] + j` (a chunk's candidates, `blocks.chunk_slots`), except entries
-    set to the slot count, which drop: per row, one window of the run's length read and
-    written back in place, not the row's slots."""
-    n, size = slot.shape[1], x.shape[2]
-    if n > size:   # a cache smaller than a chunk's candidates: write the whole row
-        return put_rows_of_layer(x, i, rows, rows_of_layer(x, i, rows).at[
-            jnp.arange(rows.shape[0])[:, None], slot].set(update.astype(x.dtype), mode="drop"))
-    zeros = (0,) * (x.ndim - 3)
-    for p in range(rows.shape[0]):
-        start = jnp.clip(first[p], 0, size - n)
-        old = jax.lax.dynamic_slice(x, (i, rows[p], start, *zeros), (1, 1, n, *x.shape[3:]))
-        at = jnp.clip(start + jnp.arange(n) - first[p], 0, n - 1)   # window entry -> candidate
-        fresh = jnp.take(slot[p], at) == start + jnp.arange(n)
-        new = jnp.take(update[p], at, axis=0).astype(x.dtype)
-        window = jnp.where(fresh.reshape(n, *(1,) * (x.ndim - 3)), new, old[0, 0])
-        x = jax.lax.dynamic_update_slice(x, window[None, None], (i, rows[p], start, *zeros))
-    return x
+def put_slot_run(x, i, rows, slot, update):
+    """`x[i, rows[p], slot[p, j]] = update[p, j]`, entries set to the slot count dropping
+    (a chunk's candidates, `blocks.chunk_slots`): one scatter into the stacked array, in
+    place, reading nothing of it. (Reading each run's window and writing it back let XLA
+    read the next layer's window from the program's input, unordered with this layer's
+    in-place write, and copy the whole stacked array to keep both.)"""
+    layer = jnp.full(slot.shape, i, jnp.int32)
+    row = jnp.broadcast_to(rows[:, None], slot.shape)
+    return x.at[layer, row, slot].set(update.astype(x.dtype), mode="drop")
 
 
 def ring_after_chunk(old, new, p0, end):
@@ -199,6 +189,16 @@ def ring_after_chunk(old, new, p0, end):
     at = jnp.clip(u - p0[:, None], 0, new.shape[1] - 1)
     taken = jnp.take_along_axis(new, at[:, :, None, None], axis=1)
     return jnp.where(fresh[:, :, None, None], taken.astype(old.dtype), old)
+
+
+def ring_from_rows(rows, front: int, p0, end, ring: int):
+    """`ring_after_chunk`'s ring `[B, R, H, D]`, read from a chunk's rows `[B, front + n, H,
+    D]` as `cca_jax.prefill` lays them out (`front - R` unused, the old ring in position
+    order, the chunk): the same values. Taken from the rows the attention reads, the new
+    ring depends on that read, so XLA orders the read of the cache before the ring's
+    in-place update instead of copying the whole stacked cache to keep both."""
+    u = ring_positions(end - 1, ring)
+    return jnp.take_along_axis(rows, (front + u - p0[:, None])[:, :, None, None], axis=1)
 
 
 def set_entries(x, i, index, update, keep):

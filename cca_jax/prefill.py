@@ -34,7 +34,8 @@ from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
 from cca_jax.decode import decode_implementation, offset_implementation
 from cca_jax.kv_cache import (KVCache, check_cache, layer_of, put_layer, put_rows_of_layer,
-                              put_slot_run, ring_after_chunk, rows_of_layer, scatter_into_layer)
+                              put_slot_run, ring_after_chunk, ring_from_rows, rows_of_layer,
+                              scatter_into_layer)
 from cca_jax.padding import round_up
 from cca_jax.rope import rope_cos_sin
 
@@ -183,12 +184,11 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
     def put_slots(x, i, new):
         if rows is None:
             return scatter_into_layer(x, i, jnp.arange(b)[:, None], slot, new)
-        return put_slot_run(x, i, rows, run_first, slot, new)
+        return put_slot_run(x, i, rows, slot, new)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
     if num_slots:
         slot, start = blocks.chunk_slots(pat, p0, n, front)
-        run_first = slot[:, 0]   # the candidates are the run run_first, run_first + 1, ...
         done = (pat.slot_last(slot) < end[:, None]) & (slot < num_slots)
         length = pat.slot_length(slot)
         slot = jnp.where(done, slot, num_slots)
@@ -216,8 +216,8 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
         if out_rows is None:
             out = blocked(qv, kv_k, kv_v, of_layer(ck, i), of_layer(cv, i), raw_lo, core_lo,
                           core_hi, blocking, window)[:, front:]
-        cache = cache.replace(k=put(cache.k, i, ring_after_chunk(ring_k, k, p0, end)),
-                              v=put(cache.v, i, ring_after_chunk(ring_v, v, p0, end)),
+        cache = cache.replace(k=put(cache.k, i, ring_from_rows(kv_k, front, p0, end, ring)),
+                              v=put(cache.v, i, ring_from_rows(kv_v, front, p0, end, ring)),
                               ck=ck, cv=cv)
         if out_rows is not None:
             if rows is None:
