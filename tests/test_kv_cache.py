@@ -584,8 +584,9 @@ def test_prefill_pools_the_slots_its_backend_asks_for(monkeypatch):
     assert asked and set(asked) == {6}   # the cache keeps 6 slots; 7 groups end in 29
 
 
+@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("rows", [None, np.array([1], np.int32)], ids=["all rows", "one row"])
-def test_a_chunk_at_an_offset_copies_no_stacked_cache_array(rows):
+def test_a_chunk_at_an_offset_copies_no_stacked_cache_array(rows, unroll):
     """A prefill chunk at an offset updates the donated cache in place: its compiled program
     (XLA's CPU pipeline; copy insertion is the GPU's too) holds no copy of a stacked cache
     array. Two crept in: XLA read layer i's ring straight from the input, unordered with
@@ -597,7 +598,8 @@ def test_a_chunk_at_an_offset_copies_no_stacked_cache_array(rows):
     cache = init_cache(cfg, 3, 256)     # 62 slots: a chunk's candidates are a window of them
     p = 3 if rows is None else len(rows)
     text = prefill_chunk.lower(model_state, cache, np.ones((p, 8), np.int32),
-                               np.full(p, 8, np.int32), rows=rows).compile().as_text()
+                               np.full(p, 8, np.int32), rows=rows,
+                               unroll_layers=unroll).compile().as_text()
     stacked = {str(getattr(cache, n).shape).replace(" ", "")[1:-1] for n in ("k", "v", "ck", "cv")}
     copies = [line.strip()[:120] for line in text.splitlines()
               if " copy(" in line and any(f"[{shape}]" in line for shape in stacked)]

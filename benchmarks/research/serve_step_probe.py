@@ -1,8 +1,9 @@
 """Where a serving turn's time goes: the engine's programs timed alone, in one process.
 
     python benchmarks/research/serve_step_probe.py [--attention cca] [--max-batch 17]
-        [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16] [--rounds 5]
-        [--profile DIR] [--small] [--out benchmarks/results/research/serve_step_probe_h200]
+        [--max-len 131072] [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16]
+        [--rounds 5] [--profile DIR] [--small]
+        [--out benchmarks/results/research/serve_step_probe_h200]
 
 The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; this takes its
 turn apart on the model it serves (the 7B shape, random bf16 weights; `--small`: a tiny
@@ -23,6 +24,7 @@ record per program and context, stamped) and `<out>.md`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -117,22 +119,29 @@ def table(records) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention", default="cca")
-    ap.add_argument("--max-batch", type=int, default=17)
-    ap.add_argument("--max-len", type=int, default=131072)
-    ap.add_argument("--contexts", default="32768,126976")
-    ap.add_argument("--chunks", default="256,2048")
-    ap.add_argument("--active", default="1,4,16")
+    ap.add_argument("--max-batch", type=int, help="17 (--small: 4)")
+    ap.add_argument("--max-len", type=int, help="131072 (--small: 128)")
+    ap.add_argument("--contexts", help="32768,126976 (--small: 32,64)")
+    ap.add_argument("--chunks", help="256,2048 (--small: 8,16)")
+    ap.add_argument("--active", help="1,4,16 (--small: 1,3)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", default=None, metavar="DIR")
-    ap.add_argument("--small", action="store_true", help="a tiny float32 model (CPU check)")
+    ap.add_argument("--small", action="store_true",
+                    help="a tiny float32 model (CPU check); the other flags still apply")
     ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
     args = ap.parse_args(argv)
     from cca_jax.kv_cache import init_cache
-    trace = SMALL if args.small else Trace(max_len=args.max_len)
-    batch = 4 if args.small else args.max_batch
-    contexts = [32, 64] if args.small else [int(x) for x in args.contexts.split(",")]
-    chunks = [8, 16] if args.small else [int(x) for x in args.chunks.split(",")]
-    actives = [1, 3] if args.small else [int(x) for x in args.active.split(",")]
+    defaults = (dict(max_batch=4, max_len=SMALL.max_len, contexts="32,64", chunks="8,16",
+                     active="1,3") if args.small else
+                dict(max_batch=17, max_len=131072, contexts="32768,126976", chunks="256,2048",
+                     active="1,4,16"))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    trace = dataclasses.replace(SMALL if args.small else Trace(), max_len=args.max_len)
+    batch = args.max_batch
+    contexts, chunks, actives = ([int(x) for x in value.split(",")]
+                                 for value in (args.contexts, args.chunks, args.active))
     if max(contexts) + max(chunks) > trace.max_len:
         raise SystemExit(f"--contexts + --chunks must stay within --max-len {trace.max_len}")
     model = build_model(trace, args.attention)
