@@ -71,25 +71,18 @@ def frame_bounds(raw_lo, core_lo, core_hi, lead: int):
 def lead_attention(q, k, v, raw_lo, scale: float):
     """Output (q's dtype) and log2-sum-exp `[B, Hq, N]` float32 of the N lead rows: q
     `[B, N, Hq, D]`, k/v `[B, N, Hkv, D]` their rows, `raw_lo` `[B, N]`; row t sees raw keys
-    `[raw_lo[t], t]`, no slots. float32 softmax; the kernels' log2 convention.
-
-    Products as multiply-and-sum, not dot_general: N x N scores are a few thousand, and a
-    matmul here becomes a cuBLAS call whose result XLA's dynamic-slice fusion then tries to
-    write into the kernel's output in place, which fails to compile at 128K (H100,
-    2026-12-06: "DUS target must be a fusion parameter")."""
+    `[raw_lo[t], t]`, no slots. float32 softmax; the kernels' log2 convention."""
     f32 = jnp.float32
     groups = q.shape[2] // k.shape[2]
     keys = jnp.repeat(k.astype(f32), groups, axis=2)
     values = jnp.repeat(v.astype(f32), groups, axis=2)
-    scores = jnp.sum(q.astype(f32).transpose(0, 2, 1, 3)[:, :, :, None, :]
-                     * keys.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=-1) * scale
+    scores = jnp.einsum("bthd,buhd->bhtu", q.astype(f32), keys) * scale
     t = jnp.arange(q.shape[1])
     seen = (t[None, None, :] >= raw_lo[:, :, None]) & (t[None, None, :] <= t[None, :, None])
     scores = jnp.where(seen[:, None], scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)
     p = jnp.exp(scores - lse[..., None])
-    out = jnp.sum(p[..., None] * values.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=3)
-    out = out.transpose(0, 2, 1, 3)
+    out = jnp.einsum("bhtu,buhd->bthd", p, values)
     return out.astype(q.dtype), lse * _LOG2E
 
 
