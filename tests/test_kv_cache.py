@@ -591,7 +591,8 @@ def test_a_chunk_at_an_offset_copies_no_stacked_cache_array(rows, unroll):
     (XLA's CPU pipeline; copy insertion is the GPU's too) holds no copy of a stacked cache
     array. Two crept in: XLA read layer i's ring straight from the input, unordered with
     layer i - 1's in-place update, and kept both by copying the whole cache (the server's
-    chunk then cost a copy of every row's cache: 97 ms against 5.5 at 64 tiny rows)."""
+    chunk into one of 64 tiny rows took 30.45 ms against 5.88 since,
+    benchmarks/results/research/serve_chunk_copies_cpu.md)."""
     cfg = TINY.replace(attention="cca", group_size=4, window_size=8, implementation="xla",
                        max_position_embeddings=256)
     model_state = nnx.split(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -600,7 +601,7 @@ def test_a_chunk_at_an_offset_copies_no_stacked_cache_array(rows, unroll):
     text = prefill_chunk.lower(model_state, cache, np.ones((p, 8), np.int32),
                                np.full(p, 8, np.int32), rows=rows,
                                unroll_layers=unroll).compile().as_text()
-    stacked = {str(getattr(cache, n).shape).replace(" ", "")[1:-1] for n in ("k", "v", "ck", "cv")}
+    stacked = {",".join(map(str, getattr(cache, n).shape)) for n in ("k", "v", "ck", "cv")}
     copies = [line.strip()[:120] for line in text.splitlines()
               if " copy(" in line and any(f"[{shape}]" in line for shape in stacked)]
     assert not copies, copies

@@ -288,8 +288,7 @@ def test_backend_runs_unpacked_sinks_after_their_lead_rows(monkeypatch):
 def test_backend_pools_whole_slot_blocks_so_no_kernel_pads_them(monkeypatch):
     """Unpacked rows pool their 192 slots (L = 4096, g = 16, s = 1024) up to 256, whole
     blocks of the forward and of the backward: the program lowered for "cuda" (forward and
-    gradient) pads no slot tensor, and its slots are the 256 pooled ones. Packed rows pool
-    what they need."""
+    gradient) pads no slot tensor, and its slots are the 256 pooled ones."""
     import re
     from cca_jax.attention import pallas_mosaic_gpu
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 9.0)
