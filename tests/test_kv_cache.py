@@ -215,7 +215,9 @@ def test_cache_writes_do_not_copy_the_cache():
     with the cache's layers (a scatter into the whole stacked cache once copied it: 1x; a
     chunk for some rows once copied those rows' whole cache out and back: 0.5x here).
     3 vs 4 layers: prefill scans all layers but the last, and XLA inlines a scan of one layer,
-    whose straight-line updates then copy the cache once (a fixed cost, not growth)."""
+    whose straight-line updates then copied the cache once (a fixed cost, not growth; in a
+    server it is a copy of every row's cache per chunk: chunks at an offset now copy nothing,
+    `test_a_chunk_at_an_offset_copies_no_stacked_cache_array`)."""
     one, two = _temp_bytes(3), _temp_bytes(4)
     grown = two["cache"] - one["cache"]
     for name in ("decode", "first chunk", "chunk at an offset", "unrolled chunk",
