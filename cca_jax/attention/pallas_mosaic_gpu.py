@@ -90,19 +90,29 @@ def attention_mosaic_gpu(q, k, v, pattern: AttentionPattern, *, pooling: str = "
                                         interpret=_interpret_default(interpret), **tiling)
 
 
+def _kernel_configs(head_dim: int, tiling: dict):
+    """(the forward's MosaicConfig, the Mosaic backward's MosaicBackwardConfig or None for
+    the Triton backward) at `tiling` (`attention_mosaic_gpu`'s keyword arguments), at the
+    kernel head dim of `head_dim`."""
+    from pallas_kernels.mosaic_gpu import (mosaic_backward_config, mosaic_config,
+                                           padded_head_dim)
+    width = padded_head_dim(head_dim) or head_dim
+    fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}
+    backward = None
+    if tiling.get("backward", "mosaic") == "mosaic":
+        backward = mosaic_backward_config(head_dim=width, **(tiling.get("backward_tiling") or {}))
+    return mosaic_config(head_dim=width, **fields), backward
+
+
 def _whole_slot_blocks(slots: int, head_dim: int, tiling: dict) -> int:
     """`slots` rounded up to whole slot blocks of the forward and of the Mosaic backward at
     `tiling`: what unpacked rows pool (`slots_and_bounds` stops where groups end). The
     kernels read only each row's visible slots, so the extra ones change nothing, while
     the kernels' own zero-padding of the slot axis, a copy of both slot tensors (0.29 ms of
     the forward at 128K on an H100), goes away."""
-    from pallas_kernels.mosaic_gpu import (mosaic_backward_config, mosaic_config,
-                                           padded_head_dim)
-    width = padded_head_dim(head_dim) or head_dim
-    fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}
-    multiple = mosaic_config(head_dim=width, **fields).block_kv
-    if tiling.get("backward", "mosaic") == "mosaic":
-        backward = mosaic_backward_config(head_dim=width, **(tiling.get("backward_tiling") or {}))
+    forward, backward = _kernel_configs(head_dim, tiling)
+    multiple = forward.block_kv
+    if backward is not None:
         multiple = math.lcm(multiple, backward.slot_multiple)
     return -(-slots // multiple) * multiple
 
@@ -126,26 +136,21 @@ def _narrow_where_it_pays(pattern: AttentionPattern, q, tiling: dict, lead: int 
     whole masked block (`tables.visit_tables`). Unpacked rows with `lead` rows (the sinks
     moved into the slots, `blocks.sinks_as_slots`) run in the frame after the sinks, where
     the windows are CCA's without sinks. Explicit `narrow_block` settings stay."""
-    from pallas_kernels.mosaic_gpu import (mosaic_backward_config, mosaic_config,
-                                           padded_head_dim)
-    width = padded_head_dim(q.shape[-1]) or q.shape[-1]
     length = q.shape[1] - lead
     frame = dataclasses.replace(pattern, sink_tokens=0) if lead else pattern
 
     def pays(rows: int, block_kv: int, narrow: int) -> bool:
         return bool(blocks.narrow_heads(frame, length, rows, block_kv, narrow))
+    forward, backward = _kernel_configs(q.shape[-1], tiling)
     tiling = dict(tiling)
-    if tiling.get("narrow_block") is None:
-        fields = {k: v for k, v in tiling.items() if k not in ("backward", "backward_tiling")}
-        cfg = mosaic_config(head_dim=width, **fields)
-        if not pays(cfg.cta_rows, cfg.block_kv, cfg.narrow_block):
-            tiling["narrow_block"] = 0
+    if tiling.get("narrow_block") is None and \
+            not pays(forward.cta_rows, forward.block_kv, forward.narrow_block):
+        tiling["narrow_block"] = 0
     backward_tiling = dict(tiling.get("backward_tiling") or {})
-    if tiling.get("backward", "mosaic") == "mosaic" and \
-            backward_tiling.get("narrow_block") is None:
-        cfg = mosaic_backward_config(head_dim=width, **backward_tiling)
-        if not pays(cfg.block_q * cfg.compute_wgs, cfg.block_kv, cfg.narrow_block):
-            tiling["backward_tiling"] = dict(backward_tiling, narrow_block=0)
+    if backward is not None and backward_tiling.get("narrow_block") is None and \
+            not pays(backward.block_q * backward.compute_wgs, backward.block_kv,
+                     backward.narrow_block):
+        tiling["backward_tiling"] = dict(backward_tiling, narrow_block=0)
     return tiling
 
 
