@@ -4,7 +4,7 @@ Per layer and sequence it holds
   * a ring of raw keys/values per KV head, `R = blocks.ring_size(pattern, max_len)` entries:
     `s + g` for cca (the local window plus the group still filling), `W` for sliding and
     streaming, `max_len` for full attention; position `u` lives in entry `u % R`;
-  * slots per *query* head, `C = pattern.max_slots(max_len)`: cca's core tokens (slot `c`
+  * slots per *query* head, `C = slot_capacity(pattern, max_len)`: cca's core tokens (slot `c`
     pooled from its `g` raw keys/values with the query of its last token, at the moment that
     token is processed), streaming's `N` sink tokens and cca's (SPEC 6: slots `0 .. N-1`,
     before the core tokens), slots of one token each, kept raw and copied per query head;
@@ -62,6 +62,20 @@ class KVCache:
         return self.ck.shape[2]
 
 
+# Slot arrays are allocated in whole tiles of this many slots. The Mosaic GPU decode kernel
+# copies whole 8-row tiles by TMA; for any other count it must pad (copy) the stacked slots of
+# every layer on every decode step: 2.9 ms of a 9.3 ms 7B step at 128K on an H100
+# (benchmarks/results/research/h100_2026-12-06c.md). The spare slots are never visible.
+SLOT_TILE = 8
+
+
+def slot_capacity(pattern: AttentionPattern, max_len: int) -> int:
+    """Slots per row and query head the cache allocates for sequences of up to `max_len`
+    tokens: the most that can be stored (`pattern.max_slots`), in whole `SLOT_TILE`s."""
+    need = pattern.max_slots(max_len)
+    return -(-need // SLOT_TILE) * SLOT_TILE
+
+
 def cache_shapes(cfg: LlamaConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """The cache's `jax.ShapeDtypeStruct`s (nothing allocated)."""
     return jax.eval_shape(lambda: init_cache(cfg, batch, max_len, dtype=dtype))
@@ -85,7 +99,7 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, *, dtype=None,
     dtype = jnp.dtype(dtype or cfg.dtype)
     layers, hq, hkv, d = (cfg.num_hidden_layers, cfg.num_attention_heads,
                           cfg.num_key_value_heads, cfg.head_dim)
-    r, c = ring_size(pattern, max_len), pattern.max_slots(max_len)
+    r, c = ring_size(pattern, max_len), slot_capacity(pattern, max_len)
 
     def make():
         raw = lambda: jnp.zeros((layers, batch, r, hkv, d), dtype)  # noqa: E731

@@ -2,7 +2,7 @@
 
     python benchmarks/research/serve_step_probe.py [--attention cca] [--max-batch 17]
         [--max-len 131072] [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16]
-        [--rounds 5] [--profile DIR] [--small]
+        [--rounds 5] [--profile DIR] [--hlo DIR] [--small]
         [--out benchmarks/results/research/serve_step_probe_h200]
 
 The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; this takes its
@@ -16,8 +16,10 @@ set to the context (entries zero: the bytes read are those of a full cache), the
                first) and "unrolled" (weights read in place);
   decode A     `_decode_and_sample` with A rows active at the context, the rest idle.
 Every program is compiled first, then all are timed round-robin `--rounds` times (median), so
-drift hits each alike. `--profile DIR`: one more call of each under the profiler, with its
-kernels by time (`profile_inference.kernel_table`) in the record. Writes `<out>.json` (one
+drift hits each alike; each record has the program's memory from XLA (temporaries: a copy of
+the cache shows there). `--profile DIR`: one more call of each under the profiler, with its
+40 longest kernels (`profile_inference.kernel_table`) in the record; `--hlo DIR`: each
+program's optimized HLO. Writes `<out>.json` (one
 record per program and context, stamped) and `<out>.md`.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import os
 import sys
 
@@ -40,15 +43,43 @@ from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
 
 class Program:
     """A donated-cache program called over and over on one cache: every call first puts the
-    rows back at the context (lengths only: the entries stay)."""
+    rows back at the context (lengths only: the entries stay). Compiled once, ahead of time
+    (`compile`), so its memory analysis and optimized HLO are those of the program timed.
 
-    def __init__(self, holder: dict, context: int, run):
-        self.holder, self.context, self.run = holder, context, run
+    jitted: the jitted function; args(cache): its dynamic (args, kwargs); static: its static
+    kwargs; it returns (cache, out), or (out..., cache) where `cache_first` is False."""
+
+    def __init__(self, holder: dict, context: int, jitted, args, static: dict,
+                 cache_first: bool):
+        self.holder, self.context, self.jitted, self.args = holder, context, jitted, args
+        self.static, self.cache_first, self.compiled = static, cache_first, None
+
+    def _cache(self):
+        cache = self.holder["cache"]
+        return cache.replace(lengths=jnp.full_like(cache.lengths, self.context))
+
+    def compile(self) -> dict:
+        """Compiles; returns the program's memory in bytes (XLA's temporaries, arguments,
+        outputs, and the output bytes that alias an argument: the donated cache)."""
+        args, kwargs = self.args(self._cache())
+        self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile()
+        m = self.compiled.memory_analysis()
+        return {} if m is None else dict(
+            temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
+            output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes))
+
+    def hlo_text(self) -> str:
+        return self.compiled.as_text()
 
     def __call__(self):
-        cache = self.holder["cache"]
-        cache = cache.replace(lengths=jnp.full_like(cache.lengths, self.context))
-        self.holder["cache"], out = self.run(cache)
+        if self.compiled is None:
+            self.compile()
+        args, kwargs = self.args(self._cache())
+        result = self.compiled(*args, **kwargs)
+        if self.cache_first:
+            self.holder["cache"], out = result
+        else:
+            *out, self.holder["cache"] = result
         return out
 
 
@@ -60,31 +91,28 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> 
     state = nnx.split(model)
     zeros = jnp.zeros((batch,), jnp.int32)
     greedy = (jnp.zeros((batch,), jnp.float32), zeros, jnp.ones((batch,), jnp.float32))
+    row = jnp.zeros((1,), jnp.int32)
     calls = {}
     for chunk in chunks:
-        def prefill(cache, chunk=chunk):
-            tokens, _, cache = _prefill_and_sample(
-                state, cache, jnp.zeros((1,), jnp.int32), jnp.zeros((1, chunk), jnp.int32),
-                jnp.full((1,), chunk, jnp.int32), zeros[:1], *(x[:1] for x in greedy),
-                unroll=EngineConfig().unrolls(chunk))
-            return cache, tokens
-        calls[f"chunk {chunk}"] = Program(holder, context, prefill)
-
+        ids, n_valid = jnp.zeros((1, chunk), jnp.int32), jnp.full((1,), chunk, jnp.int32)
+        sampled = (row, ids, n_valid, zeros[:1], *(x[:1] for x in greedy))
+        calls[f"chunk {chunk}"] = Program(
+            holder, context, _prefill_and_sample,
+            lambda cache, sampled=sampled: ((state, cache, *sampled), {}),
+            dict(unroll=EngineConfig().unrolls(chunk)), cache_first=False)
         for unroll in (False, True):   # scanned: each layer's weights copied out first
-            def direct(cache, chunk=chunk, unroll=unroll):
-                return prefill_chunk(state, cache, jnp.zeros((1, chunk), jnp.int32),
-                                     jnp.full((1,), chunk, jnp.int32),
-                                     rows=jnp.zeros((1,), jnp.int32), unroll_layers=unroll)
             name = f"chunk {chunk} {'unrolled' if unroll else 'scanned'}"
-            calls[name] = Program(holder, context, direct)
+            calls[name] = Program(
+                holder, context, prefill_chunk,
+                lambda cache, ids=ids, n_valid=n_valid: ((state, cache, ids, n_valid),
+                                                         dict(rows=row)),
+                dict(unroll_layers=unroll), cache_first=True)
     for active in actives:
-        mask = jnp.arange(batch) < active
-
-        def decode(cache, mask=mask):
-            tokens, _, cache = _decode_and_sample(state, cache, zeros, mask, zeros, zeros,
-                                                  *greedy, pool_slots=False)
-            return cache, tokens
-        calls[f"decode {active}"] = Program(holder, context, decode)
+        args = (zeros, jnp.arange(batch) < active, zeros, zeros, *greedy)
+        calls[f"decode {active}"] = Program(
+            holder, context, _decode_and_sample,
+            lambda cache, args=args: ((state, cache, *args), {}), dict(pool_slots=False),
+            cache_first=False)
     return calls
 
 
@@ -96,7 +124,7 @@ def profile(calls: dict, out_dir: str) -> dict:
         jax.block_until_ready(call())
         with jax.profiler.trace(where):
             jax.block_until_ready(call())
-        table = kernel_table(where, 12)
+        table = kernel_table(where, 40)
         table.pop("events", None)
         tables[name] = table
     return tables
@@ -108,11 +136,15 @@ def table(records) -> str:
              f"{first['max_batch']} rows x {first['max_len']}), {first['device']}, "
              f"jax {first['jax']}, {first['date']}, commit {first['commit']}",
              f"Command: `{first['command']}`", "",
-             "| context | program | ms | tokens | kernel ms (profiled) |", "| --- | --- | --- | --- | --- |"]
+             "| context | program | ms | tokens | kernel ms (profiled) | temp MiB | aliased MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
+        mem = r.get("memory", {})
+        mib = lambda key: f"{mem[key] / 2**20:.1f}" if key in mem else ""  # noqa: E731
         lines.append(f"| {r['context']} | {r['program']} | {r['ms']:.2f} | {r['tokens']} | "
-                     f"{'' if kernels is None else f'{kernels:.2f}'} |")
+                     f"{'' if kernels is None else f'{kernels:.2f}'} | {mib('temp_bytes')} | "
+                     f"{mib('alias_bytes')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--active", help="1,4,16 (--small: 1,3)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--hlo", default=None, metavar="DIR",
+                    help="write each program's optimized HLO there (<context>_<program>.hlo.gz)")
     ap.add_argument("--small", action="store_true",
                     help="a tiny float32 model (CPU check); the other flags still apply")
     ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
@@ -149,6 +183,13 @@ def main(argv=None) -> int:
     records = []
     for context in contexts:
         calls = programs(model, holder, batch, context, chunks, actives)
+        memory = {name: call.compile() for name, call in calls.items()}
+        if args.hlo:
+            os.makedirs(args.hlo, exist_ok=True)
+            for name, call in calls.items():
+                where = os.path.join(args.hlo, f"{context}_{name.replace(' ', '_')}.hlo.gz")
+                with gzip.open(where, "wt") as f:
+                    f.write(call.hlo_text())
         times = round_robin({name: (call, ()) for name, call in calls.items()}, args.rounds)
         kernels = profile(calls, os.path.join(args.profile, str(context))) \
             if args.profile else {}
@@ -158,7 +199,8 @@ def main(argv=None) -> int:
             records.append(dict(attention=args.attention, shape=trace.shape,
                                 max_batch=batch, max_len=trace.max_len, context=context,
                                 program=name, ms=round(ms, 3), tokens=tokens,
-                                kernels=kernels.get(name, {}), **stamp()))
+                                memory=memory[name], kernels=kernels.get(name, {}),
+                                **stamp()))
             print(f"context {context}: {name}: {ms:.2f} ms", flush=True)
     write_results(args.out, records, table(records))
     return 0
