@@ -54,7 +54,7 @@ def _attend_rows(cfg: LlamaConfig, cache: KVCache, i: int, q, rows, end):
     `end[b] - 1`, from the cache after the chunk (layer `i` static): what a decode step of that
     token computes (SPEC property 6), through the decode kernels."""
     q_rows = jnp.take_along_axis(q, rows[:, None, None, None], axis=1)[:, 0]
-    attention = BACKENDS[decode_implementation(cfg)].prefill_rows
+    attention = BACKENDS[decode_implementation(cfg)].decode
     out = attention(q_rows.astype(cache.k.dtype), cache.k, cache.v, cache.ck, cache.cv, i,
                     cache.pattern, jnp.maximum(end - 1, 0))
     return out[:, None]

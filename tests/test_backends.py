@@ -84,7 +84,7 @@ def test_auto_takes_mosaic_gpu_on_hopper_only(monkeypatch):
     assert decode_backend("auto", PAPER, head_dim=128, dtype="bfloat16",
                           platform="gpu").name == "mosaic_gpu"
     assert decode_backend("auto", PAPER, head_dim=96, dtype="bfloat16",
-                          platform="gpu").name == "mosaic_gpu"   # borrows the Triton kernel
+                          platform="gpu").name == "mosaic_gpu"
     monkeypatch.setattr(pallas_mosaic_gpu, "gpu_capability", lambda: 8.0)
     assert "sm_8" in mosaic.supports(PAPER, "gpu", "bfloat16", 128, False)
     assert resolve("auto", PAPER, platform="gpu").name == "pallas_gpu"

@@ -583,7 +583,7 @@ def test_mean_and_max_pooling_decode_equals_prefill(pooling):
 
 def test_prefill_runs_the_last_layer_for_the_last_tokens_only(monkeypatch):
     """Without `return_all_logits`, the last layer's attention (the decode attention over the
-    filled cache, through the backend's `prefill_rows` entry), output projection and MLP run
+    filled cache, through the backend's `decode` entry), output projection and MLP run
     for each row's last token only. Chunks of 5
     (a first chunk, then chunks at an offset) with `xla`, a blocked implementation, whose
     first chunk pools its slots once for the attention and the cache (the other tests run the
@@ -591,8 +591,8 @@ def test_prefill_runs_the_last_layer_for_the_last_tokens_only(monkeypatch):
     the cache is one prefill's."""
     from cca_jax.attention.xla import XLA
     traced = []
-    real = XLA._prefill_rows
-    monkeypatch.setattr(XLA, "_prefill_rows", lambda *a: traced.append(1) or real(*a))
+    real = XLA._decode
+    monkeypatch.setattr(XLA, "_decode", lambda *a: traced.append(1) or real(*a))
     jax.clear_caches()      # trace the chunk programs here
     s = get_setup("cca")
     one_cache, _ = s.one_prefill()
@@ -609,7 +609,7 @@ def test_prefill_runs_the_last_layer_for_the_last_tokens_only(monkeypatch):
 def test_prefill_pools_the_slots_its_backend_asks_for(monkeypatch):
     """A first chunk pools `Backend.slots_to_pool(needed)` slots (the Mosaic backend asks
     for whole slot blocks, so that its kernels pad none) and stores the ones it needs: with
-    `xla` asking for 3 more (7 pooled, as many groups as end in the prompt), one
+    `xla` asking for 3 more (10 pooled; 7 groups end in the prompt), one
     whole-prompt chunk gives the same last logits as the full forward and the same cache as
     one prefill."""
     from cca_jax.attention.xla import XLA
@@ -626,7 +626,9 @@ def test_prefill_pools_the_slots_its_backend_asks_for(monkeypatch):
     for b, n in enumerate(ROW_LENGTHS):
         np.testing.assert_allclose(np.asarray(last)[b], s.ref[b, n - 1], atol=LOGIT_TOL)
     assert_caches_equal(cache, one_cache)
-    assert asked and set(asked) == {6}   # the cache keeps 6 slots; 7 groups end in 29
+    # 7 groups end in 29 tokens; the cache has room for 8 (6 seen by positions < 32, whole
+    # tiles: `slot_capacity`)
+    assert asked and set(asked) == {7}
 
 
 @pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])

@@ -1105,13 +1105,9 @@ def test_gpu_defaults_train_and_prefill_print_no_triton_deprecation():
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.xfail(strict=True, reason="the default decode borrows the Triton decode kernel "
-                   "while JAX has it: faster in the 7B model at 128K (5.26 against 7.74 "
-                   "ms/token: results/inference_cca_auto_h200.md, results/research/"
-                   "inference_mosaic_decode_h200.md); issue 26")
 def test_gpu_default_decode_prints_no_triton_deprecation():
-    """Decoding with the defaults on a Hopper GPU: no Triton kernel lowers. Fails today by
-    choice (see the mark); strict, so that it says when the Mosaic decode takes over."""
+    """Decoding with the defaults on a Hopper GPU (D = 64, G = 2): no Triton kernel lowers,
+    the Mosaic decode kernel serves the steps."""
     from cca_jax.generate import generate
     model, ids = _default_bf16_model()
     triton = _triton_warnings(lambda: generate(model, [ids[0, :700].tolist()],

@@ -208,11 +208,13 @@ def _backend_case(hq, hkv, dtype, seed=0, d=64):
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 128), (4, 2, 96), (6, 2, 64)],
                          ids=["d128g1", "d96", "g3"])
-def test_backend_decode_runs_the_triton_kernel_while_jax_has_it(monkeypatch, hq, hkv, d):
-    """The Mosaic kernel takes these caches, but the entry runs the Triton kernel (bit for
-    bit) while JAX has it: it measured faster on the H200 (7B at 128K: 5.3 against 7.74
-    ms/token). Without the Triton lowering, the Mosaic kernel runs them."""
-    from cca_jax.attention import pallas_gpu
+def test_backend_decode_runs_the_mosaic_kernel_and_borrows_triton_only_for_refusals(
+        monkeypatch, hq, hkv, d):
+    """`mosaic_gpu`'s decode entry (a model's decode steps and a prefill's last-layer rows)
+    runs the Mosaic kernel wherever it takes the cache, while JAX still has the Triton
+    lowering: within bf16 rounding of the Triton kernel, and a default run on Hopper then
+    lowers no Triton kernel. A cache it refuses (G = 32 at block 128) goes to the Triton
+    kernel, bit for bit."""
     from cca_jax.attention.pallas_gpu import PALLAS_GPU
     from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
     from pallas_kernels.mosaic_gpu import decode as mosaic_decode
@@ -223,40 +225,15 @@ def test_backend_decode_runs_the_triton_kernel_while_jax_has_it(monkeypatch, hq,
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     args = _backend_case(hq, hkv, jnp.bfloat16, seed=2, d=d)
     assert decode_refusal(jnp.bfloat16, d, hq, hkv) is None
-    triton = np.asarray(PALLAS_GPU.decode(*args), np.float32)
-    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*args), np.float32), triton)
-    assert not calls
-    monkeypatch.setattr(pallas_gpu, "triton_lowering_available", lambda: False)
     own = np.asarray(MOSAIC_GPU.decode(*args), np.float32)
     assert calls
+    triton = np.asarray(PALLAS_GPU.decode(*args), np.float32)
     assert not np.array_equal(own, triton)      # another kernel: other rounding
     assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, d)
-
-
-def test_prefill_rows_run_the_mosaic_kernel_while_decode_borrows_triton(monkeypatch):
-    """A prefill's last-layer rows (`Backend.prefill_rows`) go through the Mosaic decode
-    kernel even while the decode step borrows the Triton one: a default prefill on Hopper
-    then lowers no Triton kernel (the GPU test of the defaults' warnings). The same
-    function within bf16 rounding of the Triton kernel; a cache the Mosaic kernel refuses
-    (G = 32) falls back to the decode entry."""
-    from cca_jax.attention.pallas_gpu import PALLAS_GPU
-    from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
-    from pallas_kernels.mosaic_gpu import decode as mosaic_decode
-
-    calls = []
-    real = mosaic_decode.decode_attention_mosaic_gpu
-    monkeypatch.setattr(mosaic_decode, "decode_attention_mosaic_gpu",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    args = _backend_case(4, 2, jnp.bfloat16, seed=4)
-    triton = np.asarray(PALLAS_GPU.decode(*args), np.float32)
-    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*args), np.float32), triton)
-    assert not calls
-    own = np.asarray(MOSAIC_GPU.prefill_rows(*args), np.float32)
-    assert calls
-    assert row_errors(own, triton).max() <= 2 * _tol(jnp.bfloat16, 64)
     calls.clear()
     wide = _backend_case(32, 1, jnp.bfloat16, seed=1)
-    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.prefill_rows(*wide), np.float32),
+    assert decode_refusal(jnp.bfloat16, 64, 32, 1) is not None
+    np.testing.assert_array_equal(np.asarray(MOSAIC_GPU.decode(*wide), np.float32),
                                   np.asarray(PALLAS_GPU.decode(*wide), np.float32))
     assert not calls
 
@@ -367,6 +344,11 @@ def test_a_cache_of_whole_slot_tiles_is_read_in_place():
 def test_config_defaults_fit_shared_memory():
     cfg = decode_config()
     assert cfg == MosaicDecodeConfig() and decode_config(block=None) == cfg
+    # G = 2..4 at D <= 128: 64-key steps in 4 stages (the H200 sweep); explicit settings win
+    assert decode_config(groups=4)[:2] == (64, 4) == decode_config(head_dim=64, groups=2)[:2]
+    assert decode_config(groups=8) == cfg
+    assert decode_config(groups=4, block=128)[:2] == (128, 2)     # the pair, or neither
+    assert decode_config(head_dim=256, groups=4).stages == cfg.stages
     for d in (64, 128):
         assert shared_memory_bytes(cfg, d) <= SMEM_LIMIT_BYTES
     assert shared_memory_bytes(cfg, 256) > SMEM_LIMIT_BYTES     # hence D = 256's default

@@ -1,7 +1,7 @@
 """Probe: where does the time of a prefill and of a decode step go, kernel by kernel?
 
     python benchmarks/research/profile_inference.py --impl cca --context 131072 --out DIR
-        [--implementation mosaic_gpu [--mosaic-decode]]
+        [--implementation mosaic_gpu]
 
 Builds the LLaMA-2-7B-shaped model of `benchmarks/inference.py`, then
   decode:  a cache with every row's length set to the context (as `--no-prefill` there),
@@ -141,9 +141,6 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--implementation", default="auto",
                     help="the model's attention implementation (e.g. mosaic_gpu)")
-    ap.add_argument("--mosaic-decode", action="store_true",
-                    help="with mosaic_gpu: decode with its own kernel at this shape, not the "
-                    "Triton one its backend borrows (why is it slower in the model?)")
     ap.add_argument("--out", required=True, help="folder for <phase>.json")
     ap.add_argument("--trace-dir", default="/tmp/profile_inference",
                     help="where the profiler writes its traces")
@@ -170,10 +167,6 @@ def main(argv=None):
                       attention=dict(kind=args.impl, group_size=p.group_size,
                                      window_size=p.window_size, sink_tokens=p.sink_tokens,
                                      implementation=args.implementation))
-    if args.mosaic_decode:   # a research switch: the backend's measured-shapes table, widened
-        from cca_jax.attention import pallas_mosaic_gpu
-        pallas_mosaic_gpu._DECODE_FASTER_THAN_TRITON = frozenset(
-            {(cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads)})
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     impl = decode_implementation(cfg)
     max_len = _max_len(args.context, WARMUP + 2 * args.steps + 2)

@@ -120,17 +120,6 @@ class Backend:
         with jax.named_scope(f"attention_{self.name}"):
             return self._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
 
-    def prefill_rows(self, q, k_all, v_all, ck, cv, layer, pattern: AttentionPattern,
-                     positions):
-        """`decode` as a prefill chunk calls it: in the last layer only, where the logits
-        need each row's last position alone (`cca_jax.prefill`). A backend whose decode
-        borrows another family's kernel for speed may run its own here."""
-        with jax.named_scope(f"attention_{self.name}"):
-            return self._prefill_rows(q, k_all, v_all, ck, cv, layer, pattern, positions)
-
-    def _prefill_rows(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
-        return self._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
-
     def _attention(self, q, k, v, pattern, *, pooling, segment_ids):
         raise NotImplementedError(f"{self.name} has no attention entry")
 

@@ -2,13 +2,15 @@
 forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator).
 
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
-one). Its decode step is the Triton decode kernel's (`pallas_gpu`) while JAX has the Triton
-lowering: on the H200 it is the faster one (7B at 128K: 5.3 ms/token against the Mosaic
-decode kernel's 7.74, benchmarks/results/research/inference_mosaic_decode_h200.md). Without that
-lowering, the Mosaic GPU decode kernel serves every cache it takes (bfloat16/float16, D 64,
-80, 96, 128 or 256, up to 16 query heads per KV head at its default block at D <= 128, 8
-at D = 256). Both are the same function in a float32 softmax, so the choice changes speed,
-not results (a refusal that borrows is logged once). Forward timings:
+one). Its decode step is the Mosaic GPU decode kernel for every cache it takes
+(bfloat16/float16, D 64, 80, 96, 128 or 256, up to 16 query heads per KV head at D <= 128, 8 at
+D = 256); on the H200 it is 1.05x the Triton kernel at G = 1 and 1.02x at G = 4
+(benchmarks/results/research/mosaic_gpu_decode_sweep_h200.md). In the 7B model it once
+measured slower (7.74 against 5.3 ms/token): XLA padded the stacked slots every step, a cost
+outside the kernel that `kv_cache.slot_capacity` removes
+(benchmarks/results/research/h100_2026-12-06c.md). A cache it refuses goes to the Triton
+decode kernel (`pallas_gpu`) while JAX has it: the same function in a float32 softmax, so
+the choice changes speed, not results (logged once). Forward timings:
 benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
 sm_90+ GPUs for bfloat16 and float16 up to head dim 128; float32 and older GPUs go to
 `pallas_gpu` or `xla`, and so do head dims 129-256 while JAX has the Triton lowering (the
@@ -37,16 +39,6 @@ _MIN_CAPABILITY = 9.0   # wgmma and TMA: sm_90 (Hopper) and later
 # tested in the GPU interpreter and by cross-lowering only, so while JAX has the Triton
 # lowering, `auto` sends those head dims to the Triton kernels.
 _MEASURED_HEAD_DIM = 128
-# (head_dim, G) decode shapes at which the Mosaic decode kernel measured faster than the
-# Triton one on the H200; only those use it while JAX has the Triton lowering. None yet:
-# at the 7B shape (D = 128, G = 1) it is 7.74 ms/token against 5.3.
-_DECODE_FASTER_THAN_TRITON: frozenset[tuple[int, int]] = frozenset()
-
-
-def _decode_prefers_mosaic(head_dim: int, groups: int) -> bool:
-    """Whether the Mosaic decode kernel beat the Triton one at this shape (G = Hq / Hkv)."""
-    return (head_dim, groups) in _DECODE_FASTER_THAN_TRITON
-
 _log = logging.getLogger(__name__)
 
 
@@ -207,13 +199,11 @@ class MosaicGpuBackend(Backend):
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_refusal
-        d, groups = q.shape[-1], q.shape[1] // k_all.shape[-2]
-        borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, d, False,
-                                       "decode")
-        if borrowed is None and not _decode_prefers_mosaic(d, groups):
-            return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
+        d = q.shape[-1]
         reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
         if reason is not None:
+            borrowed = PALLAS_GPU.supports(pattern, jax.default_backend(), k_all.dtype, d,
+                                           False, "decode")
             if borrowed is not None:
                 raise ValueError(
                     f"implementation='mosaic_gpu' cannot decode this cache: its decode kernel "
@@ -222,16 +212,6 @@ class MosaicGpuBackend(Backend):
             _log_borrowed_decode_once(reason)
             return PALLAS_GPU._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
         return self._own_decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
-
-    def _prefill_rows(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
-        """Its own decode kernel wherever it takes the cache: one layer's rows a chunk
-        cost little either way (its decode step of 32 layers is 7.74 ms against the Triton
-        kernel's 5.3 at 7B 128K), and a prefill with the defaults then lowers no Triton
-        kernel."""
-        from pallas_kernels.mosaic_gpu.decode import decode_refusal
-        if decode_refusal(k_all.dtype, q.shape[-1], q.shape[1], k_all.shape[-2]) is None:
-            return self._own_decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
-        return self._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
 
     def _own_decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu

@@ -60,6 +60,10 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCKS = (64, 128, 256)    # the value product's K: a multiple of 64 (128-byte swizzle)
 # At D = 256 the default 128-key steps' K/V buffers alone are 256 KiB: 64-key steps there.
 WIDE_HEAD_DIM, WIDE_BLOCK = 256, 64
+# Query heads per KV head (G, from 2 to 4, D <= 128) that default to 64-key steps in 4 stages:
+# on the H200 at G = 4 that was 1.02x the Triton kernel, the 128-key default 0.95x; at G = 1
+# the default was 1.05x (benchmarks/results/research/mosaic_gpu_decode_sweep_h200.md).
+GROUPED_BLOCK, GROUPED_STAGES, GROUPED_MAX = 64, 4, 4
 SLOT_LAYOUTS = ("bchd", "bhcd")   # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
 SMEM_LIMIT_BYTES = 227 * 1024     # sm_90's shared memory per CTA
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -94,12 +98,16 @@ def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 
     return _ROWS * head_dim * itemsize + (2 * cfg.stages + 1) * 8 + max(buffers, out)
 
 
-def decode_config(*, head_dim: int = 128, **fields) -> MosaicDecodeConfig:
+def decode_config(*, head_dim: int = 128, groups: int = 1, **fields) -> MosaicDecodeConfig:
     """A checked MosaicDecodeConfig with `fields` overriding its defaults for head dim
-    `head_dim` (block `WIDE_BLOCK` at 256; None ignored)."""
+    `head_dim` and G = `groups` query heads per KV head (block `WIDE_BLOCK` at D = 256;
+    `GROUPED_BLOCK` in `GROUPED_STAGES` stages at G in 2..`GROUPED_MAX` unless either is
+    given; None ignored)."""
     fields = {name: value for name, value in fields.items() if value is not None}
     if head_dim >= WIDE_HEAD_DIM:
         fields = {"block": WIDE_BLOCK, **fields}
+    elif 2 <= groups <= GROUPED_MAX and not {"block", "stages"} & fields.keys():
+        fields = {"block": GROUPED_BLOCK, "stages": GROUPED_STAGES, **fields}   # as a pair
     for name, value in fields.items():
         if name not in MosaicDecodeConfig._fields:
             raise ValueError(f"unknown Mosaic GPU decode setting {name!r}; the settings are "
@@ -163,7 +171,8 @@ def decode_refusal(dtype, head_dim: int, q_heads: int, kv_heads: int, **tiling) 
     if kv_heads < 1 or q_heads % kv_heads:
         return f"Hq = {q_heads} is not a multiple of Hkv = {kv_heads}"
     try:
-        check_shapes(decode_config(head_dim=head_dim, **tiling), q_heads // kv_heads,
+        groups = q_heads // kv_heads
+        check_shapes(decode_config(head_dim=head_dim, groups=groups, **tiling), groups,
                      head_dim, jnp.dtype(dtype).itemsize)
     except ValueError as e:
         return str(e)
@@ -450,12 +459,12 @@ def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None
     stored at the model's D: others go to implementation='pallas_gpu' or 'xla').
     Invisible ring entries and slots must be finite (module docstring).
     tiling: `MosaicDecodeConfig` fields (block, stages, splits, slot_layout) over the
-    defaults for D (`decode_config`). interpret:
+    defaults for D and G (`decode_config`). interpret:
     None/False compiles for the GPU (lowers for "cuda" anywhere); True (or an
     `InterpretGPUParams`) runs jax's GPU interpreter on the CPU (tiny shapes only).
     """
     d = q.shape[-1]
-    cfg = decode_config(head_dim=d, **tiling)
+    cfg = decode_config(head_dim=d, groups=q.shape[1] // max(k_ring.shape[-2], 1), **tiling)
     b, hq, d, hkv = check_decode_inputs(q, k_ring, v_ring, ck, cv, bounds,
                                         stacked=layer is not None, slot_layout=cfg.slot_layout)
     if d not in HEAD_DIMS:
