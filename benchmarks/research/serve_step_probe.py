@@ -183,7 +183,11 @@ def main(argv=None) -> int:
     records = []
     for context in contexts:
         calls = programs(model, holder, batch, context, chunks, actives)
-        memory = {name: call.compile() for name, call in calls.items()}
+        memory = {}
+        for name, call in calls.items():
+            memory[name] = call.compile()
+            print(f"context {context}: {name}: compiled; memory (bytes) {memory[name]}",
+                  flush=True)
         if args.hlo:
             os.makedirs(args.hlo, exist_ok=True)
             for name, call in calls.items():
