@@ -116,6 +116,20 @@ def round_robin(calls: dict, rounds: int, warmups: int = 2) -> dict:
     """name -> median milliseconds of `fn(*args)` for `calls` = {name: (fn, args)}: after
     `warmups` calls of each, `rounds` rounds of one call of each in turn, so that clock and
     power drift hit every program alike."""
+    return {name: statistics.median(t)
+            for name, t in round_robin_times(calls, rounds, warmups).items()}
+
+
+def paired_ratio(times: list[float], base: list[float]) -> dict:
+    """The ratio of two programs' times round by round (`round_robin_times` lists: both
+    timed in the same rounds, so drift cancels): median and the 10th/90th percentiles."""
+    ratios = sorted(a / b for a, b in zip(times, base))
+    pick = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+    return dict(median=statistics.median(ratios), p10=pick(0.1), p90=pick(0.9))
+
+
+def round_robin_times(calls: dict, rounds: int, warmups: int = 2) -> dict:
+    """name -> the milliseconds of each round (`round_robin`'s rounds, in order)."""
     times = {name: [] for name in calls}
     for fn, args in calls.values():
         for _ in range(warmups):
@@ -125,4 +139,4 @@ def round_robin(calls: dict, rounds: int, warmups: int = 2) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times

@@ -11,7 +11,8 @@ program is compiled first, then all are timed one call each per round (median ov
 pooling, bounds and the kernels), bf16, B = 1, Hq = 32, D = 128, CCA g = 16, s = 1024;
 `fwd+bwd` is jax.grad of sum(out * ct) w.r.t. q, k, v (ct in the inputs' dtype). Writes
 `<out>.json` (records stamped with commit, device, jax, date, command) and `<out>.md` (each
-time and its ratio to the same implementation and mode without sinks, and the largest
+time and its ratio to the same implementation and mode without sinks: of the medians, and
+paired round by round, whose 10th-90th percentiles say how far the noise reaches; the largest
 relative L2 of its output (fwd) or gradients (fwd+bwd) against the first implementation's
 at the same sinks). `--profile DIR`: one more call of each program under `jax.profiler`, its
 GPU kernels by time in the record (`kernels`) and in a second table: which kernel the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import statistics
 import sys
 import time
 
@@ -32,7 +34,8 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import rel_l2, round_robin, stamp, write_results  # noqa: E402
+from benchmarks.measure import (paired_ratio, rel_l2, round_robin_times, stamp,  # noqa: E402
+                                write_results)  # noqa: E402
 from cca_jax.attention import run_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -101,7 +104,8 @@ def main(argv=None):
                 print(rec.get("error", f"compiled {impl} sinks={sinks} {mode} in "
                                        f"{rec['compile_s']} s"), flush=True)
                 records.append(rec)
-    medians = round_robin({key: (fn, inputs) for key, fn in calls.items()}, args.rounds)
+    times = round_robin_times({key: (fn, inputs) for key, fn in calls.items()}, args.rounds)
+    medians = {key: statistics.median(t) for key, t in times.items()}
     # The implementations' outputs against the first one's (same sinks, mode): a numerics
     # check of the timed programs themselves (the narrow heads run only with sinks).
     impls = args.impls.split(",")
@@ -112,19 +116,24 @@ def main(argv=None):
             got, want = calls[key](*inputs), calls[ref](*inputs)
             rec[f"rel_l2_vs_{impls[0]}"] = max(
                 rel_l2(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    rows = [f"| impl | mode | sinks | ms | x no sinks | rel L2 vs {impls[0]} |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [f"| impl | mode | sinks | ms | x no sinks | paired x no sinks: median [p10, p90] "
+            f"| rel L2 vs {impls[0]} |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for rec in records:
         key = (rec["impl"], rec["sink_tokens"], rec["mode"])
         if key not in medians:
-            rows.append(f"| {key[0]} | {key[2]} | {key[1]} | error | | |")
+            rows.append(f"| {key[0]} | {key[2]} | {key[1]} | error | | | |")
             continue
         rec["ms"] = medians[key]
         plain = medians.get((rec["impl"], 0, rec["mode"]))
         rec["x_no_sinks"] = rec["ms"] / plain if plain else None
         ratio = "" if plain is None else f"{rec['x_no_sinks']:.4f}"
+        paired = ""
+        if plain is not None:   # per round against the same round's no-sink call
+            rec["x_no_sinks_paired"] = paired_ratio(times[key], times[(key[0], 0, key[2])])
+            p = rec["x_no_sinks_paired"]
+            paired = f"{p['median']:.4f} [{p['p10']:.4f}, {p['p90']:.4f}]"
         err = rec.get(f"rel_l2_vs_{impls[0]}")
-        rows.append(f"| {key[0]} | {key[2]} | {key[1]} | {rec['ms']:.2f} | {ratio} | "
+        rows.append(f"| {key[0]} | {key[2]} | {key[1]} | {rec['ms']:.2f} | {ratio} | {paired} | "
                     f"{'' if err is None else f'{err:.1e}'} |")
     if args.profile:
         rows += ["", "Kernels by time, one profiled call each (ms; the 8 longest; the record "
