@@ -2,7 +2,7 @@
 
     python benchmarks/research/serve_step_probe.py [--attention cca] [--max-batch 17]
         [--max-len 131072] [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16]
-        [--rounds 5] [--profile DIR] [--hlo DIR] [--small]
+        [--rounds 5] [--profile DIR] [--hlo DIR] [--no-direct] [--small]
         [--out benchmarks/results/research/serve_step_probe_h200]
 
 The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; this takes its
@@ -83,7 +83,8 @@ class Program:
         return out
 
 
-def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> dict:
+def programs(model, holder: dict, batch: int, context: int, chunks, actives,
+             direct: bool = True) -> dict:
     from flax import nnx
 
     from cca_jax.prefill import prefill_chunk
@@ -100,7 +101,7 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives) -> 
             holder, context, _prefill_and_sample,
             lambda cache, sampled=sampled: ((state, cache, *sampled), {}),
             dict(unroll=EngineConfig().unrolls(chunk)), cache_first=False)
-        for unroll in (False, True):   # scanned: each layer's weights copied out first
+        for unroll in (False, True) if direct else ():   # scanned: weights copied out first
             name = f"chunk {chunk} {'unrolled' if unroll else 'scanned'}"
             calls[name] = Program(
                 holder, context, prefill_chunk,
@@ -157,6 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", help="256,2048 (--small: 8,16)")
     ap.add_argument("--active", help="1,4,16 (--small: 1,3)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-direct", action="store_true",
+                    help="only the engine's programs: not the chunk through `prefill_chunk` "
+                    "scanned and unrolled (each a long compile at the 7B shape)")
     ap.add_argument("--profile", default=None, metavar="DIR")
     ap.add_argument("--hlo", default=None, metavar="DIR",
                     help="write each program's optimized HLO there (<context>_<program>.hlo.gz)")
@@ -182,7 +186,8 @@ def main(argv=None) -> int:
     holder = {"cache": init_cache(model.config, batch, trace.max_len)}
     records = []
     for context in contexts:
-        calls = programs(model, holder, batch, context, chunks, actives)
+        calls = programs(model, holder, batch, context, chunks, actives,
+                         direct=not args.no_direct)
         memory = {}
         for name, call in calls.items():
             memory[name] = call.compile()
