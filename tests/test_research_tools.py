@@ -1,0 +1,33 @@
+"""The research probes the GPU runs call (`benchmarks/device_chain/steps*.txt`), run small on
+the CPU: a probe that breaks is found here, not after a GPU machine has started for it."""
+
+import json
+
+from benchmarks.research import serve_step_probe, sinks_cost
+
+
+def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
+    out, hlo = tmp_path / "probe", tmp_path / "hlo"
+    assert serve_step_probe.main(["--small", "--max-batch", "2", "--max-len", "64",
+                                  "--contexts", "32", "--chunks", "8", "--active", "1",
+                                  "--rounds", "1", "--no-direct", "--hlo", str(hlo),
+                                  "--out", str(out)]) == 0
+    records = json.loads((tmp_path / "probe.json").read_text())
+    assert [r["program"] for r in records] == ["chunk 8", "decode 1"]
+    from benchmarks.serve_trace import SMALL, build_model
+    from cca_jax.kv_cache import cache_bytes, cache_shapes
+    cache = cache_bytes(cache_shapes(build_model(SMALL, "cca").config, 2, 64))
+    for r in records:       # the donated cache is updated in place: all its bytes aliased
+        assert r["memory"]["alias_bytes"] >= cache > 0, (r["memory"], cache)
+    assert sorted(p.name for p in hlo.iterdir()) == ["32_chunk_8.hlo.gz", "32_decode_1.hlo.gz"]
+
+
+def test_sinks_cost_pairs_each_round_with_the_no_sink_call(tmp_path):
+    out = tmp_path / "sinks"
+    sinks_cost.main(["--impls", "xla", "--length", "256", "--hq", "2", "--hkv", "1", "--d",
+                     "64", "--s", "64", "--sinks", "0,4", "--modes", "fwd", "--rounds", "3",
+                     "--out", str(out)])
+    records = {r["sink_tokens"]: r for r in json.loads((tmp_path / "sinks.json").read_text())}
+    paired = records[4]["x_no_sinks_paired"]
+    assert paired["p10"] <= paired["median"] <= paired["p90"]
+    assert records[0]["x_no_sinks_paired"] == dict(median=1.0, p10=1.0, p90=1.0)
