@@ -66,6 +66,7 @@ class Trace:
     # every running row (at 7B about 7 ms per 512 tokens of MLP alone, on an H200).
     chunk_size: int = 1024
     decode_chunk_size: int | None = None   # the chunk while rows decode (None: chunk_size)
+    itl_target_ms: float | None = None     # EngineConfig.itl_target_ms
     prefill_rows: int = 1
     max_batch: int = 0              # cache rows; 0: as many as the device's memory fits
     seed: int = 0
@@ -187,7 +188,8 @@ def start_time(kind: str, args, cache_dir: str) -> float:
            "--compile-cache", cache_dir]
     cmd += ["--small"] if args.small else []
     for name in ("requests", "new_tokens", "rate", "max_len", "chunk_size",
-                 "decode_chunk_size", "prefill_rows", "max_batch", "prompt_lengths"):
+                 "decode_chunk_size", "itl_target_ms", "prefill_rows", "max_batch",
+                 "prompt_lengths"):
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     begin = time.perf_counter()
@@ -202,6 +204,7 @@ def make_engine(model, trace: Trace, max_batch: int, requests: int):
     engine = Engine(model, EngineConfig(max_batch=max_batch, max_len=trace.max_len,
                                         chunk_size=trace.chunk_size,
                                         decode_chunk_size=trace.decode_chunk_size,
+                                        itl_target_ms=trace.itl_target_ms,
                                         prefill_rows=trace.prefill_rows, max_queue=requests),
                     eos=())
     engine.start()
@@ -231,6 +234,7 @@ def bench(kind: str, trace: Trace, args) -> dict:
     cfg = model.config
     rec = dict(attention=kind, shape=trace.shape, max_len=trace.max_len, max_batch=batch,
                chunk_size=trace.chunk_size, decode_chunk_size=trace.decode_chunk_size,
+               itl_target_ms=trace.itl_target_ms, program_ms=stats["program_ms"],
                prefill_rows=trace.prefill_rows,
                prompt_lengths=list(trace.prompt_lengths), new_tokens=trace.new_tokens,
                rate=trace.rate, max_rows_busy=stats["max_rows_busy"],
@@ -283,7 +287,10 @@ def table(records) -> str:
              f"{first['requests']} requests, prompts of {first['prompt_lengths'][0]}-"
              f"{first['prompt_lengths'][1]} tokens, {first['new_tokens']} new tokens each, "
              f"{first['rate']} arrivals/s; prefill chunk {first['chunk_size']} "
-             f"({first.get('decode_chunk_size') or first['chunk_size']} while rows decode)", "",
+             f"({first.get('decode_chunk_size') or first['chunk_size']} while rows decode"
+             + (f", up to {first['chunk_size']} within an inter-token target of "
+                f"{first['itl_target_ms']} ms" if first.get("itl_target_ms") else "") + ")",
+             "",
              "| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for r in records:
         cells = (r.get(c) for c in cols)
@@ -303,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--decode-chunk-size", type=int, default=None)
+    ap.add_argument("--itl-target-ms", type=float, default=None,
+                    help="the engine's inter-token target (EngineConfig.itl_target_ms)")
     ap.add_argument("--prefill-rows", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=None,
                     help="cache rows (default: as many as the device's memory fits; 4 with "
@@ -319,7 +328,7 @@ def main(argv=None) -> int:
     trace = SMALL if args.small else Trace()
     changes = {k: getattr(args, k) for k in ("requests", "new_tokens", "rate", "max_len",
                                              "chunk_size", "decode_chunk_size",
-                                             "prefill_rows", "max_batch")
+                                             "itl_target_ms", "prefill_rows", "max_batch")
                if getattr(args, k) is not None}
     if args.prompt_lengths:
         changes["prompt_lengths"] = tuple(int(x) for x in args.prompt_lengths.split(","))

@@ -764,9 +764,70 @@ def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens
      r"--decode-chunk-size \(32\) must be <= --chunk-size \(16\)"),
     (["--decode-chunk-size", "0"], "--decode-chunk-size must be a positive integer"),
     (["--max-batch", "2", "--prefill-rows", "3"], r"--prefill-rows \(3\) must be <= --max-batch"),
+    (["--itl-target-ms", "40"], "--itl-target-ms .*give a --decode-chunk-size below"),
+    (["--decode-chunk-size", "8", "--itl-target-ms", "0"], "--itl-target-ms must be a positive"),
 ])
 def test_cli_rejects_bad_chunk_and_row_settings(flags, message, capsys):
     """Checked before the checkpoint loads: exit 2 with the flag and the fix."""
     from cca_jax.serve.__main__ import main
     assert main(["--ckpt", "does-not-matter", *flags]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_pick_interleaved_chunk():
+    """Of the chunk lengths whose running time fits the turn's budget: the smallest that
+    holds the rest of the prompt, else the largest; the smallest length if none fits (an
+    unmeasured length never fits)."""
+    from cca_jax.serve.engine import pick_interleaved_chunk
+    sizes, ms = (256, 512, 1024, 2048), {256: 6.0, 512: 9.0, 1024: 15.0, 2048: 28.0}
+    assert pick_interleaved_chunk(sizes, ms, 20.0, 100_000) == 1024
+    assert pick_interleaved_chunk(sizes, ms, 20.0, 300) == 512
+    assert pick_interleaved_chunk(sizes, ms, 20.0, 100) == 256
+    assert pick_interleaved_chunk(sizes, ms, 5.0, 100_000) == 256          # none fits
+    assert pick_interleaved_chunk(sizes, {256: 6.0}, 50.0, 100_000) == 256   # unmeasured
+    assert pick_interleaved_chunk(sizes, ms, 50.0, 100_000) == 2048
+
+
+def test_itl_target_config():
+    """`itl_target_ms` compiles the doublings of decode_chunk_size up to chunk_size, and
+    needs a decode_chunk_size below chunk_size."""
+    from cca_jax.serve.engine import EngineConfig
+    cfg = EngineConfig(chunk_size=2048, decode_chunk_size=256, itl_target_ms=40.0)
+    assert cfg.interleaved_chunk_sizes == cfg.chunk_sizes == (256, 512, 1024, 2048)
+    assert EngineConfig(chunk_size=600, decode_chunk_size=256,
+                        itl_target_ms=40).interleaved_chunk_sizes == (256, 512, 600)
+    assert dataclasses.replace(cfg, itl_target_ms=None).chunk_sizes == (256, 2048)
+    for bad, says in [(dict(itl_target_ms=0.0), "positive number"),
+                      (dict(itl_target_ms=True), "positive number"),
+                      (dict(decode_chunk_size=None), "decode_chunk_size below chunk_size"),
+                      (dict(decode_chunk_size=2048), "decode_chunk_size below chunk_size")]:
+        with pytest.raises(ValueError, match=says):
+            dataclasses.replace(cfg, **bad).check()
+
+
+@pytest.mark.parametrize("target_ms,chunks", [(1e9, 3), (1e-9, 10)], ids=["loose", "tight"])
+def test_itl_target_picks_the_interleaved_chunk(target_ms, chunks):
+    """A 39-token prompt prefilled while another row decodes, with chunk lengths 4, 8, 16: a
+    target every length fits runs 16 + 16 + 8 (the smallest holding the last 7), one no
+    length fits runs 4s. No program compiles after start-up, and both answers are
+    generate()'s."""
+    from cca_jax.config import LlamaConfig
+    from cca_jax.generate import generate
+    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.serve.engine import Engine, EngineConfig
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                      dtype="float32", param_dtype="float32", eos_token_id=None,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
+    prompts = [[5, 6, 7], list(range(1, 40))]
+    want = [generate(model, [p], max_new_tokens=40, max_len=96)[0] for p in prompts]
+    engine = Engine(model, EngineConfig(max_batch=2, max_len=96, chunk_size=16,
+                                        decode_chunk_size=4, itl_target_ms=target_ms))
+    assert _served(engine, prompts, 40) == want
+    stats = engine.stats()
+    assert stats["compilations_since_ready"] == 0
+    assert stats["step_times"]["interleaved_chunks"] == chunks
+    assert stats["step_times"]["interleaved_tokens"] == 39
+    assert set(stats["program_ms"]) == {"4", "8", "16", "decode"}

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens per prefill chunk while requests are decoding: one "
                     "such chunk runs between two decode steps, so it bounds their "
                     "inter-token time (default: --chunk-size)")
+    ap.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                    help="while requests are decoding, run the largest prefill chunk (of the "
+                    "lengths from --decode-chunk-size doubling up to --chunk-size, all "
+                    "compiled at start-up) whose measured time plus a decode step's stays "
+                    "within MS; needs --decode-chunk-size below --chunk-size (default: "
+                    "always --decode-chunk-size)")
     ap.add_argument("--prefill-rows", type=int, default=DEFAULTS.prefill_rows, metavar="P",
                     help="requests one prefill chunk carries at most (default: "
                     f"{DEFAULTS.prefill_rows})")
@@ -80,6 +86,14 @@ def _check_args(a) -> None:
     if a.decode_chunk_size is not None and a.decode_chunk_size > a.chunk_size:
         raise UsageError(f"--decode-chunk-size ({a.decode_chunk_size}) must be <= "
                          f"--chunk-size ({a.chunk_size}).")
+    if a.itl_target_ms is not None:
+        if not a.itl_target_ms > 0:
+            raise UsageError(f"--itl-target-ms must be a positive number, got "
+                             f"{a.itl_target_ms}.")
+        if a.decode_chunk_size is None or a.decode_chunk_size >= a.chunk_size:
+            raise UsageError("--itl-target-ms chooses among chunk lengths from "
+                             "--decode-chunk-size up to --chunk-size: give a "
+                             "--decode-chunk-size below --chunk-size.")
     if a.prefill_rows > a.max_batch:
         raise UsageError(f"--prefill-rows ({a.prefill_rows}) must be <= --max-batch "
                          f"({a.max_batch}).")
@@ -114,7 +128,7 @@ def build_server(a):
         eos = tokenizer.eos_token_id
     max_len = a.max_len or min(DEFAULTS.max_len, model.config.max_position_embeddings)
     config = EngineConfig(max_batch=a.max_batch, max_len=max_len, chunk_size=a.chunk_size,
-                          decode_chunk_size=a.decode_chunk_size,
+                          decode_chunk_size=a.decode_chunk_size, itl_target_ms=a.itl_target_ms,
                           prefill_rows=a.prefill_rows, max_queue=a.max_queue,
                           parallel_compile=a.parallel_compile)
     try:

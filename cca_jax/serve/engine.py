@@ -9,7 +9,9 @@ the caller). One engine thread runs the device; each turn of its loop is
         since a row's stale entries lie at positions its queries never see);
     at most ONE prefill chunk: the next prompt tokens of up to `prefill_rows` requests still
         in their prompts (oldest first): `decode_chunk_size` of them while some row is
-        decoding, `chunk_size` while none is; through the P rows only
+        decoding (with `itl_target_ms`, the largest compiled length whose measured time
+        keeps the turn within the target: `pick_interleaved_chunk`), `chunk_size` while none
+        is; through the P rows only
         (`prefill_chunk(rows=...)`: read and written in place, layer by layer; with P = B
         the whole cache runs), their first tokens sampled in the same program;
     ONE decode step of every row past its prompt (`decode_step` over all B rows, the idle and
@@ -19,7 +21,7 @@ So a long prompt delays the running rows by one chunk per token at most (the int
 time is one decode step plus at most one `decode_chunk_size` chunk), a prompt that arrives
 while nothing decodes is prefilled in the larger chunks at full throughput, and a new request
 waits for at most one decode step before its prefill starts. Every program has one shape
-whatever the occupancy (B rows, P rows, the two chunk sizes): they are all compiled (or
+whatever the occupancy (B rows, P rows, the chunk lengths): they are all compiled (or
 loaded from the persistent compilation cache) by `start()` before `ready` is set, and no
 request compiles anything (`compilations_since_ready` counts XLA compilations to prove it).
 
@@ -72,6 +74,11 @@ class EngineConfig:
     # prompt tokens per prefill chunk while some row is decoding (bounds the inter-token
     # time: one decode step plus one such chunk); None: chunk_size
     decode_chunk_size: int | None = None
+    # with rows decoding, run the largest chunk (of `interleaved_chunk_sizes`: powers of two
+    # from decode_chunk_size to chunk_size, all compiled) whose measured time plus the
+    # decode step's keeps a turn within this many milliseconds; the smallest if none does.
+    # None: always decode_chunk_size
+    itl_target_ms: float | None = None
     # on a GPU, prefill chunks of at most this many tokens (prefill_rows x chunk) run their
     # layers unrolled (`prefill_chunk(unroll_layers=True)`: weights read in place, ~4 ms a
     # chunk less at the 7B shape, a compile several times longer); 0: never
@@ -90,9 +97,21 @@ class EngineConfig:
         return jax.default_backend() == "gpu" and tokens <= self.unroll_chunk_tokens
 
     @property
+    def interleaved_chunk_sizes(self) -> tuple[int, ...]:
+        """The chunk lengths that may run while rows decode: decode_chunk_size, or with
+        `itl_target_ms` also its doublings below chunk_size, and chunk_size."""
+        smallest = self.decode_chunk_size or self.chunk_size
+        if self.itl_target_ms is None:
+            return (smallest,)
+        sizes = [smallest]
+        while sizes[-1] * 2 < self.chunk_size:
+            sizes.append(sizes[-1] * 2)
+        return tuple(sorted(set(sizes) | {self.chunk_size}))
+
+    @property
     def chunk_sizes(self) -> tuple[int, ...]:
         """The prefill chunk lengths the engine runs (each one compiled program)."""
-        return tuple(sorted({self.chunk_size, self.decode_chunk_size or self.chunk_size}))
+        return tuple(sorted({self.chunk_size, *self.interleaved_chunk_sizes}))
 
     def check(self) -> None:
         for name in ("max_batch", "max_len", "chunk_size", "prefill_rows", "decode_chunk_size"):
@@ -109,11 +128,35 @@ class EngineConfig:
                 not isinstance(self.unroll_chunk_tokens, int) or self.unroll_chunk_tokens < 0:
             raise ValueError(f"unroll_chunk_tokens must be an int >= 0, got "
                              f"{self.unroll_chunk_tokens!r}.")
+        if self.itl_target_ms is not None:
+            if isinstance(self.itl_target_ms, bool) or \
+                    not isinstance(self.itl_target_ms, (int, float)) or self.itl_target_ms <= 0:
+                raise ValueError(f"itl_target_ms must be a positive number of milliseconds, "
+                                 f"got {self.itl_target_ms!r}.")
+            if (self.decode_chunk_size or self.chunk_size) >= self.chunk_size:
+                raise ValueError("itl_target_ms chooses among chunk lengths from "
+                                 "decode_chunk_size up to chunk_size: set decode_chunk_size "
+                                 "below chunk_size.")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
         if self.prefill_rows > self.max_batch:
             raise ValueError(f"prefill_rows ({self.prefill_rows}) must be <= max_batch "
                              f"({self.max_batch}).")
+
+
+# Weight of a new measurement in the running time of a program (`Engine._timed`).
+TIME_SMOOTHING = 0.25
+
+
+def pick_interleaved_chunk(sizes, chunk_ms: dict, budget_ms: float, remaining: int) -> int:
+    """The chunk length to run while rows decode: of the `sizes` whose running time
+    (`chunk_ms`, ms; unmeasured ones never fit) is within `budget_ms`, the smallest that
+    holds the `remaining` prompt tokens, else the largest; the smallest size if none fits."""
+    fitting = [n for n in sizes if chunk_ms.get(n, float("inf")) <= budget_ms]
+    if not fitting:
+        return min(sizes)
+    holding = [n for n in fitting if n >= remaining]
+    return min(holding) if holding else max(fitting)
 
 
 class QueueFull(Exception):
@@ -152,8 +195,8 @@ class StepTimes:
     (tokens read back included): prefill chunks and the prompt tokens they carried, decode
     steps and the tokens they produced (active rows). Their ratios separate the decode
     throughput of the batch from the prefill work interleaved with it. `interleaved_*`: the
-    prefill chunks that ran while rows were decoding (the `decode_chunk_size` ones, the
-    inter-token delay they add), also counted in `prefill_*`."""
+    prefill chunks that ran while rows were decoding (the interleaved ones, the inter-token
+    delay they add), also counted in `prefill_*`."""
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -287,6 +330,9 @@ class Engine:
         self.max_rows_busy = 0
         self.finished = collections.Counter()
         self.step_times = StepTimes()
+        # running ms of each program the engine times (`_timed`): "decode" (the step without
+        # pooling) and each prefill chunk length
+        self._program_ms: dict = {}
 
     # ---- the public side (any thread) ------------------------------------------------------
 
@@ -354,7 +400,8 @@ class Engine:
                     "compilations_since_ready": self.compilations_since_ready,
                     "startup_seconds": round(self.startup_seconds, 3),
                     "finished": dict(self.finished),
-                    "step_times": dataclasses.asdict(self.step_times)}
+                    "step_times": dataclasses.asdict(self.step_times),
+                    "program_ms": {str(k): round(v, 3) for k, v in self._program_ms.items()}}
 
     def start(self) -> None:
         """Start the engine thread: it compiles every program, sets `ready`, then serves."""
@@ -424,11 +471,30 @@ class Engine:
         rows = None if p == b else np.arange(p, dtype=np.int32)
         if self.config.parallel_compile:
             self._compile_at_once(rows)
+        # With an inter-token target, each program runs once more, timed: the running
+        # times the chunk choice starts from (the first call compiled).
+        runs = 2 if self.config.itl_target_ms is not None else 1
         for chunk in self.config.chunk_sizes:
-            self._run_prefill(rows, np.zeros((p, chunk), np.int32), np.zeros(p, np.int32),
-                              [None] * p, warm_up=True)
+            for run in range(runs):
+                begin = time.perf_counter()
+                self._run_prefill(rows, np.zeros((p, chunk), np.int32), np.zeros(p, np.int32),
+                                  [None] * p, warm_up=True)
+                if run:
+                    self._timed(chunk, time.perf_counter() - begin)
         for pool in self._pool_programs():
-            self._run_decode(np.zeros(b, bool), [None] * b, pool, warm_up=True)
+            for run in range(runs):
+                begin = time.perf_counter()
+                self._run_decode(np.zeros(b, bool), [None] * b, pool, warm_up=True)
+                if run and not pool:
+                    self._timed("decode", time.perf_counter() - begin)
+
+    def _timed(self, program, seconds: float) -> None:
+        """Fold one measured call of `program` (a chunk length, or "decode") into its
+        running time in ms."""
+        with self._cond:   # stats() reads them from other threads
+            ms, old = seconds * 1e3, self._program_ms.get(program)
+            self._program_ms[program] = ms if old is None else \
+                old + TIME_SMOOTHING * (ms - old)
 
     def _compile_at_once(self, rows) -> None:
         """Lower the prefill and decode programs with the warm-up's arguments (one by one:
@@ -536,9 +602,9 @@ class Engine:
         p, chunk = self.config.prefill_rows, self.config.chunk_size
         decoding = any(s is not None and s.prefilled == len(s.request.prompt)
                        for s in self._rows)
-        if self.config.decode_chunk_size and decoding:
-            chunk = self.config.decode_chunk_size
         batch = pending[:p]
+        if decoding:
+            chunk = self._interleaved_chunk(batch)
         if p == self.config.max_batch:   # every row: the whole cache, no rows copied
             slots = [s.row for s in batch]
             rows, seqs = None, [None] * p
@@ -558,6 +624,7 @@ class Engine:
         begin = time.perf_counter()
         tokens, logprobs = self._run_prefill(rows, ids, n_valid, seqs)
         seconds, tokens_in = time.perf_counter() - begin, int(n_valid.sum())
+        self._timed(chunk, seconds)
         self._count(prefill_chunks=1, prefill_tokens=tokens_in, prefill_seconds=seconds)
         if decoding:
             self._count(interleaved_chunks=1, interleaved_tokens=tokens_in,
@@ -566,6 +633,16 @@ class Engine:
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
                 self._take_token(seq, int(tokens[i]), _row_logprobs(logprobs, i, seq))
+
+    def _interleaved_chunk(self, batch) -> int:
+        """The chunk length while rows decode: decode_chunk_size, or with `itl_target_ms`
+        the `pick_interleaved_chunk` for the turn's time left after a decode step."""
+        sizes = self.config.interleaved_chunk_sizes
+        if self.config.itl_target_ms is None:
+            return sizes[0]
+        budget = self.config.itl_target_ms - self._program_ms.get("decode", 0.0)
+        remaining = max(len(s.request.prompt) - s.prefilled for s in batch)
+        return pick_interleaved_chunk(sizes, self._program_ms, budget, remaining)
 
     def _decode_once(self) -> None:
         seqs = [s if s is not None and s.prefilled == len(s.request.prompt) else None
@@ -579,8 +656,10 @@ class Engine:
             self._pattern, positions, self._cache.num_slots).any())
         begin = time.perf_counter()
         tokens, logprobs = self._run_decode(active, seqs, pool)
-        self._count(decode_steps=1, decode_tokens=int(active.sum()),
-                    decode_seconds=time.perf_counter() - begin)
+        seconds = time.perf_counter() - begin
+        if not pool:    # the step most turns run (pooling ones are rarer and longer)
+            self._timed("decode", seconds)
+        self._count(decode_steps=1, decode_tokens=int(active.sum()), decode_seconds=seconds)
         for row in np.flatnonzero(active):
             self._take_token(seqs[row], int(tokens[row]),
                              _row_logprobs(logprobs, row, seqs[row]))
