@@ -707,6 +707,18 @@ def test_engine_over_a_mesh_equals_generate():
     assert engine.stats()["compilations_since_ready"] == 0
 
 
+def _tiny_engine_model():
+    """A tiny float32 CCA model (max_len 96) and two prompts, 3 and 39 tokens, for engines
+    built in a test."""
+    from cca_jax.config import LlamaConfig
+    from cca_jax.model import LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                      dtype="float32", param_dtype="float32", eos_token_id=None,
+                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(1)), [[5, 6, 7], list(range(1, 40))]
+
+
 def _served(engine, prompts, max_tokens: int) -> list[list[int]]:
     """Start `engine`, submit every prompt at once, wait for all, shut it down: the tokens
     each got (the engine must not have failed)."""
@@ -735,17 +747,10 @@ def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens
     """`parallel_compile`: the prefill and decode programs lowered, then compiled in threads
     at once; the warm-up's calls find them in jit's cache (as many compilations at start-up
     as one after another, none after ready), and requests get generate()'s greedy tokens."""
-    from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
-    from cca_jax.model import LlamaForCausalLM
     from cca_jax.serve.engine import Engine, EngineConfig
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                      dtype="float32", param_dtype="float32", eos_token_id=None,
-                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
-    prompts = [[5, 6, 7], list(range(1, 40))]
+    model, prompts = _tiny_engine_model()
     want = [generate(model, [p], max_new_tokens=6, max_len=96)[0] for p in prompts]
     counts = {}
     for parallel in (False, True):
@@ -811,17 +816,10 @@ def test_itl_target_picks_the_interleaved_chunk(target_ms, chunks):
     target every length fits runs 16 + 16 + 8 (the smallest holding the last 7), one no
     length fits runs 4s. No program compiles after start-up, and both answers are
     generate()'s."""
-    from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
-    from cca_jax.model import LlamaForCausalLM
     from cca_jax.serve.engine import Engine, EngineConfig
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                      dtype="float32", param_dtype="float32", eos_token_id=None,
-                      attention={"kind": "cca", "group_size": 4, "window_size": 6})
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
-    prompts = [[5, 6, 7], list(range(1, 40))]
+    model, prompts = _tiny_engine_model()
     want = [generate(model, [p], max_new_tokens=40, max_len=96)[0] for p in prompts]
     engine = Engine(model, EngineConfig(max_batch=2, max_len=96, chunk_size=16,
                                         decode_chunk_size=4, itl_target_ms=target_ms))
