@@ -76,7 +76,9 @@ SMALL = Trace(shape="tiny", requests=8, prompt_lengths=(16, 96), new_tokens=8, r
               max_len=128, chunk_size=32, max_batch=4)
 
 
-def build_model(trace: Trace, kind: str):
+def build_model(trace: Trace, kind: str, layers: int | None = None):
+    """The trace's model with `kind` attention (random weights); `layers`: that many layers
+    instead of the shape's (a quick probe of one layer's programs and memory)."""
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
@@ -88,7 +90,10 @@ def build_model(trace: Trace, kind: str):
         p = PAPER_PATTERNS[kind]
         settings = {k: getattr(p, k) for k in ("group_size", "window_size", "sink_tokens")
                     if hasattr(p, k)}
-    cfg = LlamaConfig(**SHAPES[trace.shape], max_position_embeddings=trace.max_len,
+    shape = dict(SHAPES[trace.shape])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**shape, max_position_embeddings=trace.max_len,
                       attention=dict(kind=kind, **settings))
     return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
 

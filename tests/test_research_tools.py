@@ -10,13 +10,14 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
     out, hlo = tmp_path / "probe", tmp_path / "hlo"
     assert serve_step_probe.main(["--small", "--max-batch", "2", "--max-len", "64",
                                   "--contexts", "32", "--chunks", "8", "--active", "1",
-                                  "--rounds", "1", "--no-direct", "--hlo", str(hlo),
+                                  "--rounds", "1", "--no-direct", "--hlo", str(hlo), "--layers", "1",
                                   "--out", str(out)]) == 0
     records = json.loads((tmp_path / "probe.json").read_text())
     assert [r["program"] for r in records] == ["chunk 8", "decode 1"]
+    assert [r["layers"] for r in records] == [1, 1]
     from benchmarks.serve_trace import SMALL, build_model
     from cca_jax.kv_cache import cache_bytes, cache_shapes
-    cache = cache_bytes(cache_shapes(build_model(SMALL, "cca").config, 2, 64))
+    cache = cache_bytes(cache_shapes(build_model(SMALL, "cca", 1).config, 2, 64))
     for r in records:       # the donated cache is updated in place: all its bytes aliased
         assert r["memory"]["alias_bytes"] >= cache > 0, (r["memory"], cache)
     assert sorted(p.name for p in hlo.iterdir()) == ["32_chunk_8.hlo.gz", "32_decode_1.hlo.gz"]

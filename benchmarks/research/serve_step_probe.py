@@ -2,7 +2,7 @@
 
     python benchmarks/research/serve_step_probe.py [--attention cca] [--max-batch 17]
         [--max-len 131072] [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16]
-        [--rounds 5] [--profile DIR] [--hlo DIR] [--no-direct] [--small]
+        [--rounds 5] [--profile DIR] [--hlo DIR] [--no-direct] [--layers N] [--small]
         [--out benchmarks/results/research/serve_step_probe_h200]
 
 The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; this takes its
@@ -133,7 +133,8 @@ def profile(calls: dict, out_dir: str) -> dict:
 
 def table(records) -> str:
     first = records[0]
-    lines = [f"Serving turn, program by program ({first['attention']}, {first['shape']}, "
+    lines = [f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
+             f"{first['layers']} layers, "
              f"{first['max_batch']} rows x {first['max_len']}), {first['device']}, "
              f"jax {first['jax']}, {first['date']}, commit {first['commit']}",
              f"Command: `{first['command']}`", "",
@@ -164,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="DIR")
     ap.add_argument("--hlo", default=None, metavar="DIR",
                     help="write each program's optimized HLO there (<context>_<program>.hlo.gz)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the model with this many layers (memory and HLO of a quick compile)")
     ap.add_argument("--small", action="store_true",
                     help="a tiny float32 model (CPU check); the other flags still apply")
     ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
                                  for value in (args.contexts, args.chunks, args.active))
     if max(contexts) + max(chunks) > trace.max_len:
         raise SystemExit(f"--contexts + --chunks must stay within --max-len {trace.max_len}")
-    model = build_model(trace, args.attention)
+    model = build_model(trace, args.attention, args.layers)
     holder = {"cache": init_cache(model.config, batch, trace.max_len)}
     records = []
     for context in contexts:
@@ -206,6 +209,7 @@ def main(argv=None) -> int:
             kind, *size = name.split()
             tokens = int(size[0]) if kind in ("chunk", "decode") else 0
             records.append(dict(attention=args.attention, shape=trace.shape,
+                                layers=model.config.num_hidden_layers,
                                 max_batch=batch, max_len=trace.max_len, context=context,
                                 program=name, ms=round(ms, 3), tokens=tokens,
                                 memory=memory[name], kernels=kernels.get(name, {}),
