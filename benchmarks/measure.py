@@ -58,9 +58,12 @@ def command(argv=None) -> str:
 def stamp(argv=None) -> dict:
     """What every benchmark record carries: commit, device, jax version, date and command."""
     dev = jax.devices()[0]
-    return {"commit": commit(), "device": getattr(dev, "device_kind", str(dev)),
-            "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-            "command": command(argv)}
+    record = {"commit": commit(), "device": getattr(dev, "device_kind", str(dev)),
+              "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+              "command": command(argv)}
+    if os.environ.get("XLA_FLAGS"):     # they change what is measured
+        record["xla_flags"] = os.environ["XLA_FLAGS"]
+    return record
 
 
 def median_ms(fn, args, *, warmup: int = 1, iters: int | None = None, max_s: float = 0.5,

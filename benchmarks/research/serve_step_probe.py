@@ -64,9 +64,14 @@ class Program:
         args, kwargs = self.args(self._cache())
         self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile()
         m = self.compiled.memory_analysis()
-        return {} if m is None else dict(
+        # XLA's rematerialization (a pass that recomputes values, the gemms included, when it
+        # thinks the program exceeds the card's memory) names what it recomputed `*_remat*`
+        remat = sum(1 for line in self.hlo_text().splitlines()
+                    if "_remat" in line.split("=")[0])
+        return dict(remat_ops=remat) if m is None else dict(
             temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
-            output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes))
+            output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
+            remat_ops=remat)
 
     def hlo_text(self) -> str:
         return self.compiled.as_text()
@@ -138,15 +143,15 @@ def table(records) -> str:
              f"{first['max_batch']} rows x {first['max_len']}), {first['device']}, "
              f"jax {first['jax']}, {first['date']}, commit {first['commit']}",
              f"Command: `{first['command']}`", "",
-             "| context | program | ms | tokens | kernel ms (profiled) | temp MiB | aliased MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| context | program | ms | tokens | kernel ms (profiled) | temp MiB | aliased MiB "
+             "| recomputed ops |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
         mem = r.get("memory", {})
         mib = lambda key: f"{mem[key] / 2**20:.1f}" if key in mem else ""  # noqa: E731
         lines.append(f"| {r['context']} | {r['program']} | {r['ms']:.2f} | {r['tokens']} | "
                      f"{'' if kernels is None else f'{kernels:.2f}'} | {mib('temp_bytes')} | "
-                     f"{mib('alias_bytes')} |")
+                     f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} |")
     return "\n".join(lines) + "\n"
 
 
