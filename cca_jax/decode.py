@@ -21,7 +21,7 @@ from cca_jax.attention.backends import BACKENDS, blocked_backend, decode_backend
 from cca_jax.attention.cached import cached_attention  # noqa: F401  (re-exported)
 from cca_jax.attention.pooling import pool_ending_slot
 from cca_jax.config import LlamaConfig
-from cca_jax.kv_cache import KVCache, check_cache, set_entries
+from cca_jax.kv_cache import CACHE_PROGRAM_COMPILER_OPTIONS, KVCache, check_cache, set_entries
 from cca_jax.rope import rope_cos_sin
 
 def offset_implementation(cfg: LlamaConfig) -> str:
@@ -100,8 +100,9 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
 # weights, and one matrix product per shared input reads them faster than several: XLA's dot
 # merger joins products of one input (q/k/v, gate/up; the weights' concatenation fused into
 # the product, not copied) up to this size, 32 MB by default (only k + v at the 7B shape).
-# A GPU pass; the other backends ignore it.
-DECODE_COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
+# A GPU pass; the other backends ignore it. With it, the options of every cache program.
+DECODE_COMPILER_OPTIONS = types.MappingProxyType({**CACHE_PROGRAM_COMPILER_OPTIONS,
+                                                  "xla_gpu_dot_merger_threshold_mb": 1024})
 
 decode_step = jax.jit(decode_step_traced, donate_argnames=("cache",),
                       static_argnames=("implementation", "pool_slots", "unroll_layers"),

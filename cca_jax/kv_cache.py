@@ -24,6 +24,7 @@ for both.
 from __future__ import annotations
 
 import math
+import types
 
 import flax.struct
 import jax
@@ -67,6 +68,16 @@ class KVCache:
 # every layer on every decode step: 2.9 ms of a 9.3 ms 7B step at 128K on an H100
 # (benchmarks/results/research/h100_2026-12-06c.md). The spare slots are never visible.
 SLOT_TILE = 8
+
+# XLA options of every program that takes a donated cache and updates it in place (prefill
+# chunks, decode steps, the server's). XLA's GPU rematerialization pass counts the donated
+# cache twice, as an input and again as the output it aliases: for the 7B shape with 8 rows
+# of 128K on an H100 it planned 87.5 GiB against a 46.3 GiB limit, where the program's own
+# temporaries are 187 MiB. It can reduce nothing (it recomputed no op), so its only effect
+# was a "Can't reduce memory use below ..." warning at every compile, which reads as a copy
+# of the cache (benchmarks/results/research/h100_2026-12-06d.md). Other backends ignore it.
+CACHE_PROGRAM_COMPILER_OPTIONS = types.MappingProxyType(
+    {"xla_disable_hlo_passes": "rematerialization"})
 
 
 def slot_capacity(pattern: AttentionPattern, max_len: int) -> int:

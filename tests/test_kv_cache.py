@@ -33,7 +33,7 @@ from cca_jax.blocks import parse_option
 from cca_jax.config import LlamaConfig
 from cca_jax.attention.backends import BACKENDS
 from cca_jax.decode import decode_step, decode_step_traced
-from cca_jax.prefill import prefill, prefill_chunk
+from cca_jax.prefill import prefill, prefill_chunk, prefill_chunk_traced
 from cca_jax.kv_cache import (SLOT_TILE, KVCache, cache_bytes, cache_shapes, full_cache_bytes,
                               init_cache, slot_capacity)
 from cca_jax.model import LlamaForCausalLM
@@ -886,3 +886,33 @@ def test_gpu_bf16_decode_equals_prefill_at_7b_head_shapes(hkv):
     row, and position 3120 = 3 R where the ring's write index wraps."""
     check_bf16_decode_equals_prefill(32, hkv, 128, 16, 1024, prompt=2900, total=3200,
                                      chunk=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
+    """A cache of 70% of JAX's memory (compiled from shapes; nothing allocated): XLA's GPU
+    rematerialization counts the donated cache twice and warns "Can't reduce memory use
+    below ..." for a program compiled without `CACHE_PROGRAM_COMPILER_OPTIONS` (the
+    control: the reason they exist), and not for the programs that carry them (a chunk into
+    one row, as the server runs it, and a decode step)."""
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      head_dim=128, max_position_embeddings=131072, dtype="bfloat16",
+                      param_dtype="bfloat16", attention=dict(kind="cca", group_size=16,
+                                                             window_size=1024))
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    state = nnx.split(model)
+    limit = jax.devices()[0].memory_stats()["bytes_limit"]
+    per_row = cache_bytes(cache_shapes(cfg, 1, 131072))
+    cache = cache_shapes(cfg, int(0.7 * limit // per_row), 131072)
+    ids, n_valid, row = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 256), (1,), (1,)))
+    warning = "Can't reduce memory use"
+
+    jax.jit(prefill_chunk_traced, donate_argnames=("cache",)).lower(
+        state, cache, ids, n_valid, rows=row).compile()
+    assert warning in capfd.readouterr().err
+    prefill_chunk.lower(state, cache, ids, n_valid, rows=row).compile()
+    tokens = jax.ShapeDtypeStruct((cache.batch,), jnp.int32)
+    decode_step.lower(state, cache, tokens).compile()
+    assert warning not in capfd.readouterr().err

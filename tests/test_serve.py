@@ -590,6 +590,31 @@ def test_full_queue_no_template_and_shutdown(ckpt, compile_cache, server, tmp_pa
         srv.stop(signal.SIGKILL)
 
 
+BROKEN_ENGINE_SERVER = """
+import sys
+from cca_jax.serve.__main__ import main
+from cca_jax.serve.engine import Engine
+
+def broken_warm_up(self):
+    raise RuntimeError("the warm-up broke")
+
+Engine._warm_up = broken_warm_up
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_engine_that_fails_stops_the_server_with_its_error(ckpt, tmp_path):
+    """An engine that fails (here at start-up: its warm-up raises) leaves a server that can
+    serve nothing: the process stops on its own and exits 1 with the error, instead of
+    answering 503 for ever."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags()}
+    done = subprocess.run([sys.executable, "-c", BROKEN_ENGINE_SERVER, "--ckpt", str(ckpt),
+                           "--port", str(free_port()), "--no-compile-cache", *SERVER_FLAGS],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "error: the engine failed (RuntimeError: the warm-up broke)" in done.stderr
+
+
 # ---- pieces without a server -----------------------------------------------------------------
 
 TEXT = "Once upon a time, Lily's cat said:\n\n  \"naïve über 😀 日本語\" -- 3.14 ok."

@@ -8,7 +8,9 @@ batched KV cache of --max-batch rows x --max-len positions (continuous batching:
 cca_jax/serve/engine.py); --max-queue more may wait for a row, beyond that the server answers
 503 with Retry-After. Compiled programs are kept in the persistent compilation cache, so a
 second start with the same settings loads them. SIGINT / SIGTERM stop taking connections,
-let requests in flight finish (up to --shutdown-timeout seconds, then cancel them) and exit.
+let requests in flight finish (up to --shutdown-timeout seconds, then cancel them) and exit
+(status 0, 130 after Ctrl-C). If the engine fails (its programs do not compile, the device
+runs out of memory), the server stops and exits with status 1 and the error.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 
 from cca_jax.cli import (UsageError, add_checkpoint_arg, add_model_args, attention_overrides,
                          check_checkpoint, enable_compile_cache, mesh_from_args)
@@ -163,8 +166,24 @@ def main(argv=None) -> int:
     received = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: received.append(signum))
+    engine = server.config.app.state.engine
+    threading.Thread(target=_exit_when_the_engine_fails, args=(engine, server), daemon=True,
+                     name="cca-jax-engine-watch").start()
     server.run()
+    if engine.error is not None:
+        print(f"error: the engine failed ({type(engine.error).__name__}: {engine.error}); "
+              "the traceback is in the log above.", file=sys.stderr)
+        return 1
     return 130 if signal.SIGINT in received else 0
+
+
+def _exit_when_the_engine_fails(engine, server) -> None:
+    """A server whose engine has failed (at start-up or later) can serve nothing: shut it
+    down, so that the process ends with an error a supervisor sees, instead of answering
+    503 for ever."""
+    engine.stopped.wait()
+    if engine.error is not None:
+        server.should_exit = True
 
 
 if __name__ == "__main__":

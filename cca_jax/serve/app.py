@@ -172,6 +172,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
             await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout_s)
 
     app = FastAPI(title="cca-jax", lifespan=lifespan)
+    app.state.engine = engine
     max_len = engine.config.max_len
 
     @app.exception_handler(APIError)

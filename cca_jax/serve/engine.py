@@ -49,8 +49,8 @@ import numpy as np
 
 from cca_jax import blocks
 from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_step_traced
-from cca_jax.kv_cache import cache_bytes, init_cache
-from cca_jax.prefill import prefill_chunk
+from cca_jax.kv_cache import CACHE_PROGRAM_COMPILER_OPTIONS, cache_bytes, init_cache
+from cca_jax.prefill import prefill_chunk_traced
 from cca_jax.sampling import check_sampling, sample_rows
 from cca_jax.sharding import mesh_context
 
@@ -230,20 +230,22 @@ class Sequence:
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@functools.partial(jax.jit, donate_argnames=("cache",),
+                   compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
 def _reset_rows(cache, rows_mask):
     """Rows where `rows_mask` start over at position 0."""
     return cache.replace(lengths=jnp.where(rows_mask, 0, cache.lengths))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("unroll",))
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("unroll",),
+                   compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
 def _prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
                         top_p, *, unroll=False):
     """One prefill chunk into cache rows `rows` [P], then each row's first token (its token
     0) sampled from the logits after its last prompt token (`unroll`: the layers unrolled).
     -> (tokens [P], those logits [P, V] float32, cache)."""
-    cache, logits = prefill_chunk(model_state, cache, ids, n_valid, rows=rows,
-                                  unroll_layers=unroll)
+    cache, logits = prefill_chunk_traced(model_state, cache, ids, n_valid, rows=rows,
+                                         unroll_layers=unroll)
     first = sample_rows(logits, seeds, jnp.zeros_like(seeds), temperature, top_k, top_p)
     return first, logits, cache
 
@@ -322,6 +324,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.ready = threading.Event()
+        self.stopped = threading.Event()    # the engine thread has ended (see `error`)
         self.error: BaseException | None = None
         self.startup_seconds = 0.0
         self.compilations_at_startup = 0
@@ -450,8 +453,10 @@ class Engine:
             log.exception("the engine failed")
             self.error = e
             self._end_all("error")
+            self.stopped.set()
             return
         self._end_all("cancelled")
+        self.stopped.set()
 
     def _new_cache(self):
         cfg, b, n = self.model.config, self.config.max_batch, self.config.max_len
