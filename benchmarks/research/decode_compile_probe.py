@@ -17,6 +17,8 @@ Variants:
   no_remat       base without XLA's rematerialization pass (xla_disable_hlo_passes): at
                  the 7B shape it counts a serving program's memory at twice what runs and
                  removes nothing (research/h200_2026-12-05c.md); is it the slow part?
+                 (Since 2026-12-06 the cache programs' options turn it off: base is this.)
+  remat_on       base with that pass back on (what the programs compiled before)
   xla_attention  base with the XLA decode attention in place of the Pallas kernel
   scan           base with the layers scanned (`unroll_layers=False`): one compiled layer
   scan_dsf       scan, with XLA's dynamic-slice fusion on (cuBLAS reading each layer's
@@ -46,6 +48,7 @@ VARIANTS = {
     "no_pool": dict(pool_slots=False),
     "no_autotune": dict(pool_slots=True, options={"xla_gpu_autotune_level": 0}),
     "no_remat": dict(pool_slots=True, options={"xla_disable_hlo_passes": "rematerialization"}),
+    "remat_on": dict(pool_slots=True, options={"xla_disable_hlo_passes": ""}),
     "xla_attention": dict(pool_slots=True, implementation="xla"),
     "scan": dict(pool_slots=True, unroll_layers=False),
     "scan_dsf": dict(pool_slots=True, unroll_layers=False,
