@@ -33,9 +33,9 @@ from cca_jax.attention.pooling import pool_pattern_slots, slots_and_bounds
 from cca_jax.attention.xla import Blocking
 from cca_jax.config import LlamaConfig
 from cca_jax.decode import decode_implementation, offset_implementation
-from cca_jax.kv_cache import (CACHE_PROGRAM_COMPILER_OPTIONS, KVCache, check_cache, layer_of,
-                              put_layer, put_rows_of_layer, put_slot_run, ring_after_chunk,
-                              ring_from_rows, rows_of_layer, scatter_into_layer)
+from cca_jax.kv_cache import (KVCache, check_cache, layer_of, put_layer, put_rows_of_layer,
+                              put_slot_run, ring_after_chunk, ring_from_rows, rows_of_layer,
+                              scatter_into_layer)
 from cca_jax.padding import round_up
 from cca_jax.rope import rope_cos_sin
 
@@ -133,8 +133,9 @@ def _first_chunk_attend(cfg, pat, n, n_valid, num_slots, window):
 
 def prefill_chunk_traced(model_state, cache: KVCache, ids, n_valid, all_logits: bool = False,
                          first: bool = False, rows=None, unroll_layers: bool = False):
-    """`prefill_chunk` unjitted, for a program that jits it with more around it (it must pass
-    `CACHE_PROGRAM_COMPILER_OPTIONS` to its own jit: a nested jit cannot carry them)."""
+    """`prefill_chunk` unjitted, for a program that jits it with more around it and its own
+    compiler options (a nested jit cannot carry them): the server's chunks, with
+    `kv_cache.CACHE_PROGRAM_COMPILER_OPTIONS`."""
     with jax.named_scope("prefill_chunk"):
         if rows is None or not first:   # the rows in place (`rows`: P of the cache's rows)
             return _prefill_chunk_body(model_state, cache, ids, n_valid, all_logits, first,
@@ -253,8 +254,7 @@ def _finish_prefill(model, cache, ids, cos, sin, attend, end, n_valid, all_logit
 
 prefill_chunk = jax.jit(prefill_chunk_traced,
                         static_argnames=("all_logits", "first", "unroll_layers"),
-                        donate_argnames=("cache",),
-                        compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
+                        donate_argnames=("cache",))
 prefill_chunk.__doc__ = """One prefill chunk, jitted: `(model_state, cache, ids [B, n], n_valid [B])
 -> (cache, logits of each row's last valid token [B, V])` (`all_logits=True`: also `[B, n, V]`).
 

@@ -33,7 +33,7 @@ from cca_jax.blocks import parse_option
 from cca_jax.config import LlamaConfig
 from cca_jax.attention.backends import BACKENDS
 from cca_jax.decode import decode_step, decode_step_traced
-from cca_jax.prefill import prefill, prefill_chunk, prefill_chunk_traced
+from cca_jax.prefill import prefill, prefill_chunk
 from cca_jax.kv_cache import (SLOT_TILE, KVCache, cache_bytes, cache_shapes, full_cache_bytes,
                               init_cache, slot_capacity)
 from cca_jax.model import LlamaForCausalLM
@@ -893,9 +893,11 @@ def test_gpu_bf16_decode_equals_prefill_at_7b_head_shapes(hkv):
 def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
     """A cache of 70% of JAX's memory (compiled from shapes; nothing allocated): XLA's GPU
     rematerialization counts the donated cache twice and warns "Can't reduce memory use
-    below ..." for a program compiled without `CACHE_PROGRAM_COMPILER_OPTIONS` (the
-    control: the reason they exist), and not for the programs that carry them (a chunk into
-    one row, as the server runs it, and a decode step)."""
+    below ..." for `prefill_chunk` (compiled without `CACHE_PROGRAM_COMPILER_OPTIONS`: the
+    control, the reason they exist), and not for the programs that carry them: the server's
+    chunk into one row and a decode step."""
+    from cca_jax.serve.engine import _prefill_and_sample
+
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                       head_dim=128, max_position_embeddings=131072, dtype="bfloat16",
@@ -906,13 +908,13 @@ def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
     limit = jax.devices()[0].memory_stats()["bytes_limit"]
     per_row = cache_bytes(cache_shapes(cfg, 1, 131072))
     cache = cache_shapes(cfg, int(0.7 * limit // per_row), 131072)
-    ids, n_valid, row = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 256), (1,), (1,)))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    floats = jax.ShapeDtypeStruct((1,), jnp.float32)
     warning = "Can't reduce memory use"
 
-    jax.jit(prefill_chunk_traced, donate_argnames=("cache",)).lower(
-        state, cache, ids, n_valid, rows=row).compile()
+    prefill_chunk.lower(state, cache, ints(1, 256), ints(1), rows=ints(1)).compile()
     assert warning in capfd.readouterr().err
-    prefill_chunk.lower(state, cache, ids, n_valid, rows=row).compile()
-    tokens = jax.ShapeDtypeStruct((cache.batch,), jnp.int32)
-    decode_step.lower(state, cache, tokens).compile()
+    _prefill_and_sample.lower(state, cache, ints(1), ints(1, 256), ints(1), ints(1), floats,
+                              ints(1), floats, unroll=True).compile()
+    decode_step.lower(state, cache, ints(cache.batch)).compile()
     assert warning not in capfd.readouterr().err
