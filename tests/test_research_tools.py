@@ -3,7 +3,7 @@ the CPU: a probe that breaks is found here, not after a GPU machine has started 
 
 import json
 
-from benchmarks.research import serve_step_probe, sinks_cost
+from benchmarks.research import serve_step_probe, sinks_cost, sinks_pooling
 
 
 def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
@@ -33,3 +33,14 @@ def test_sinks_cost_pairs_each_round_with_the_no_sink_call(tmp_path):
     paired = records[4]["x_no_sinks_paired"]
     assert paired["p10"] <= paired["median"] <= paired["p90"]
     assert records[0]["x_no_sinks_paired"] == dict(median=1.0, p10=1.0, p90=1.0)
+
+
+def test_sinks_pooling_variants_equal_the_librarys(tmp_path):
+    out = tmp_path / "pooling"
+    assert sinks_pooling.main(["--small", "--rounds", "2", "--out", str(out)]) == 0
+    records = json.loads((tmp_path / "pooling.json").read_text())
+    assert {(r["mode"], r["variant"]) for r in records} == {
+        (mode, name) for mode in ("fwd", "fwd+bwd")
+        for name in ("library", "no_sinks", "slice_concat", "groups_dus")}
+    for r in records:
+        assert r["max_abs_diff_vs_library"] == (None if r["variant"] == "no_sinks" else 0.0)
