@@ -100,7 +100,7 @@ def decode_step_traced(model_state, cache: KVCache, tokens, active=None, impleme
 # weights, and one matrix product per shared input reads them faster than several: XLA's dot
 # merger joins products of one input (q/k/v, gate/up; the weights' concatenation fused into
 # the product, not copied) up to this size, 32 MB by default (only k + v at the 7B shape).
-# A GPU pass; the other backends ignore it. With it, the options of every cache program.
+# A GPU pass; the other backends ignore it. Plus `CACHE_PROGRAM_COMPILER_OPTIONS`.
 DECODE_COMPILER_OPTIONS = types.MappingProxyType({**CACHE_PROGRAM_COMPILER_OPTIONS,
                                                   "xla_gpu_dot_merger_threshold_mb": 1024})
 
