@@ -143,3 +143,11 @@ def round_robin_times(calls: dict, rounds: int, warmups: int = 2) -> dict:
             jax.block_until_ready(fn(*args))
             times[name].append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def add_cca_shape_args(ap) -> None:
+    """The shape flags of the CCA attention probes: --length --hq --hkv --d --g --s (default
+    the 128K GQA case: 131072 tokens, 32 query and 8 KV heads of 128, g 16, s 1024)."""
+    for flag, default in (("--length", 131072), ("--hq", 32), ("--hkv", 8), ("--d", 128),
+                          ("--g", 16), ("--s", 1024)):
+        ap.add_argument(flag, type=int, default=default)

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import (paired_ratio, rel_l2, round_robin_times, stamp,  # noqa: E402
-                                write_results)  # noqa: E402
+from benchmarks.measure import (add_cca_shape_args, paired_ratio, rel_l2,  # noqa: E402
+                                round_robin_times, stamp, write_results)
 from cca_jax.attention import run_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -67,12 +67,7 @@ def _profile(call, inputs, out_dir: str, key) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="mosaic_gpu,pallas_gpu")
-    ap.add_argument("--length", type=int, default=131072)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--g", type=int, default=16)
-    ap.add_argument("--s", type=int, default=1024)
+    add_cca_shape_args(ap)
     ap.add_argument("--sinks", default="0,4")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
     ap.add_argument("--rounds", type=int, default=10)

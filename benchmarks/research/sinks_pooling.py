@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import paired_ratio, round_robin_times, stamp, write_results  # noqa: E402
+from benchmarks.measure import (add_cca_shape_args, paired_ratio,  # noqa: E402
+                                round_robin_times, stamp, write_results)
 from cca_jax.attention.pooling import (pool_core_tokens, pool_pattern_slots,  # noqa: E402
                                        slots_and_bounds)
 from cca_jax.blocks import CCA  # noqa: E402
@@ -77,12 +78,7 @@ def program(fn, mode: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--length", type=int, default=131072)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--g", type=int, default=16)
-    ap.add_argument("--s", type=int, default=1024)
+    add_cca_shape_args(ap)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--slot-multiple", type=int, default=128,
                     help="pool whole blocks of this many slots (the Mosaic forward's)")
