@@ -151,3 +151,10 @@ def add_cca_shape_args(ap) -> None:
     for flag, default in (("--length", 131072), ("--hq", 32), ("--hkv", 8), ("--d", 128),
                           ("--g", 16), ("--s", 1024)):
         ap.add_argument(flag, type=int, default=default)
+
+
+def table_heading(title: str, record: dict) -> list:
+    """The first lines of a results table: what, and where, when and how it was measured
+    (from a `stamp`ed record)."""
+    return [f"{title}, {record['device']}, jax {record['jax']}, {record['date']}, "
+            f"commit {record['commit']}", f"Command: `{record['command']}`", ""]

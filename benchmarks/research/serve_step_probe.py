@@ -37,7 +37,7 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from benchmarks.measure import round_robin, stamp, table_heading, write_results  # noqa: E402
 from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
 
 
@@ -138,13 +138,11 @@ def profile(calls: dict, out_dir: str) -> dict:
 
 def table(records) -> str:
     first = records[0]
-    lines = [f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
-             f"{first['layers']} layers, "
-             f"{first['max_batch']} rows x {first['max_len']}), {first['device']}, "
-             f"jax {first['jax']}, {first['date']}, commit {first['commit']}",
-             f"Command: `{first['command']}`", "",
-             "| context | program | ms | tokens | kernel ms (profiled) | temp MiB | aliased MiB "
-             "| recomputed ops |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = table_heading(
+        f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
+        f"{first['layers']} layers, {first['max_batch']} rows x {first['max_len']})", first) + [
+        "| context | program | ms | tokens | kernel ms (profiled) | temp MiB | aliased MiB "
+        "| recomputed ops |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
         mem = r.get("memory", {})

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.measure import (add_cca_shape_args, paired_ratio,  # noqa: E402
-                                round_robin_times, stamp, write_results)
+                                round_robin_times, stamp, table_heading, write_results)
 from cca_jax.attention.pooling import (pool_core_tokens, pool_pattern_slots,  # noqa: E402
                                        slots_and_bounds)
 from cca_jax.blocks import CCA  # noqa: E402
@@ -128,13 +128,12 @@ def main(argv=None) -> int:
 
 def table(records) -> str:
     r0 = records[0]
-    lines = [f"The slots' pooling with and without sinks: L = {r0['length']}, Hq = {r0['hq']}, "
-             f"Hkv = {r0['hkv']}, D = {r0['d']}, g = {r0['group_size']}, "
-             f"s = {r0['window_size']}, N = {r0['sink_tokens']}, {r0['slots']} slots; "
-             f"{r0['device']}, jax {r0['jax']}, {r0['date']}, commit {r0['commit']}",
-             f"Command: `{r0['command']}`", "",
-             "| mode | variant | ms | x no sinks (paired median, p10-p90) | max abs diff vs library |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = table_heading(
+        f"The slots' pooling with and without sinks: L = {r0['length']}, Hq = {r0['hq']}, "
+        f"Hkv = {r0['hkv']}, D = {r0['d']}, g = {r0['group_size']}, s = {r0['window_size']}, "
+        f"N = {r0['sink_tokens']}, {r0['slots']} slots", r0) + [
+        "| mode | variant | ms | x no sinks (paired median, p10-p90) | max abs diff vs library |",
+        "| --- | --- | --- | --- | --- |"]
     for r in records:
         p = r["x_no_sinks_paired"]
         diff = "" if r["max_abs_diff_vs_library"] is None else f"{r['max_abs_diff_vs_library']:.3g}"
