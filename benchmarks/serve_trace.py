@@ -273,6 +273,8 @@ def step_metrics(times: dict) -> dict:
                 prefill_tokens_per_s=ratio(times["prefill_tokens"], times["prefill_seconds"]),
                 interleaved_chunk_ms=ratio(times.get("interleaved_seconds", 0),
                                            times.get("interleaved_chunks", 0), 1e3),
+                host_ms_per_turn=ratio(times.get("turn_seconds", 0) - times["prefill_seconds"]
+                                       - times["decode_seconds"], times.get("turns", 0), 1e3),
                 step_times=times)
 
 
@@ -280,7 +282,7 @@ def table(records) -> str:
     cols = ["attention", "max_batch", "max_rows_busy", "tokens_per_s", "decode_tokens_per_s",
             "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "itl_p95_ms", "decode_step_ms",
             "rows_per_step", "step_decode_tokens_per_s", "prefill_chunk_ms",
-            "interleaved_chunk_ms", "kv_cache_gib",
+            "interleaved_chunk_ms", "host_ms_per_turn", "kv_cache_gib",
             "peak_gib", "startup_s", "cold_start_s", "warm_start_s", "completed", "errors"]
     first = records[0]
     lines = [f"# Serving a request trace on {first['device']}", "",

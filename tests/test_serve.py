@@ -462,6 +462,11 @@ def test_prompts_prefill_in_small_chunks_only_while_rows_decode(server, model, t
     # the second prompt's 9 chunks ran while the first row decoded: counted apart too
     assert after["interleaved_chunks"] - before["interleaved_chunks"] == 9
     assert after["interleaved_tokens"] - before["interleaved_tokens"] == 70
+    # at most one chunk a turn; a turn's wall time holds its programs' and the host's
+    spent = {k: after[k] - before[k] for k in ("turns", "turn_seconds", "prefill_seconds",
+                                               "decode_seconds")}
+    assert spent["turns"] >= 2 + 9, spent
+    assert spent["turn_seconds"] >= spent["prefill_seconds"] + spent["decode_seconds"] > 0
     assert got["choices"][0]["text"] == text_of(tokenizer, second,
                                                 greedy_ids(model, second, 4))
     from cca_jax.serve.engine import EngineConfig
@@ -685,6 +690,7 @@ def test_serve_trace_benchmark_small_mode(tmp_path):
     assert times["prefill_chunks"] >= rec["requests"] and times["decode_steps"] >= 8
     assert 1 <= rec["rows_per_step"] <= 4 and rec["step_decode_tokens_per_s"] > 0
     assert rec["decode_step_ms"] > 0 and rec["prefill_chunk_ms"] > 0
+    assert rec["host_ms_per_turn"] >= 0 and times["turns"] >= times["decode_steps"]
 
 
 def test_serve_trace_deadline_reports_what_was_served():

@@ -196,7 +196,9 @@ class StepTimes:
     steps and the tokens they produced (active rows). Their ratios separate the decode
     throughput of the batch from the prefill work interleaved with it. `interleaved_*`: the
     prefill chunks that ran while rows were decoding (the interleaved ones, the inter-token
-    delay they add), also counted in `prefill_*`."""
+    delay they add), also counted in `prefill_*`. `turns`, `turn_seconds`: the loop's busy
+    turns and their wall time, so that what the host adds per turn (admission, bookkeeping,
+    handing tokens to the requests) is `turn_seconds - prefill_seconds - decode_seconds`."""
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -206,6 +208,8 @@ class StepTimes:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    turns: int = 0
+    turn_seconds: float = 0.0
 
 
 # on_event(token, None) for every generated token (an end-of-sequence token is not passed),
@@ -540,6 +544,7 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return False
+            begin = time.perf_counter()
             self._drop_cancelled()
             admitted = self._admit()
         if admitted:
@@ -548,6 +553,7 @@ class Engine:
             self._cache = _reset_rows(self._cache, mask)
         self._prefill_once()
         self._decode_once()
+        self._count(turns=1, turn_seconds=time.perf_counter() - begin)
         return True
 
     def _drop_cancelled(self) -> None:
