@@ -10,7 +10,8 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
     out, hlo = tmp_path / "probe", tmp_path / "hlo"
     assert serve_step_probe.main(["--small", "--max-batch", "2", "--max-len", "64",
                                   "--contexts", "32", "--chunks", "8", "--active", "1",
-                                  "--rounds", "1", "--no-direct", "--hlo", str(hlo), "--layers", "1",
+                                  "--rounds", "1", "--no-direct", "--hlo", str(hlo),
+                                  "--layers", "1", "--profile", str(tmp_path / "profile"),
                                   "--out", str(out)]) == 0
     records = json.loads((tmp_path / "probe.json").read_text())
     assert [r["program"] for r in records] == ["chunk 8", "decode 1"]
@@ -21,6 +22,7 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
     for r in records:       # the donated cache is updated in place: all its bytes aliased
         assert r["memory"]["alias_bytes"] >= cache > 0, (r["memory"], cache)
         assert r["memory"]["remat_ops"] == 0
+        assert set(r["kernels"]["gaps"]) == {"total_ms", "longest"}   # (no GPU kernels here)
     assert sorted(p.name for p in hlo.iterdir()) == ["32_chunk_8.hlo.gz", "32_decode_1.hlo.gz"]
 
 
@@ -44,3 +46,13 @@ def test_sinks_pooling_variants_equal_the_librarys(tmp_path):
         for name in ("library", "no_sinks", "slice_concat", "groups_dus")}
     for r in records:
         assert r["max_abs_diff_vs_library"] == (None if r["variant"] == "no_sinks" else 0.0)
+
+
+def test_largest_gaps_name_the_kernels_around_each_idle_stretch():
+    from benchmarks.research.profile_inference import largest_gaps
+    sequence = [dict(name="a", us=5.0, gap_us=None), dict(name="b", us=1.0, gap_us=2.0),
+                dict(name="c", us=1.0, gap_us=-0.5), dict(name="d", us=3.0, gap_us=900.0)]
+    gaps = largest_gaps(sequence, 2)
+    assert gaps["total_ms"] == 0.902     # overlapping launches (negative gaps) add nothing
+    assert gaps["longest"] == [dict(us=900.0, after="c", before="d"),
+                               dict(us=2.0, after="a", before="b")]

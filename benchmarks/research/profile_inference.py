@@ -76,6 +76,15 @@ def last_run_sequence(table: dict, per: int) -> list[dict]:
     return out
 
 
+def largest_gaps(sequence: list[dict], n: int) -> dict:
+    """Where a run's GPU stream sat idle (`last_run_sequence`'s gaps): their sum in ms and the
+    `n` longest, each with the kernels before and after it."""
+    gaps = [dict(us=row["gap_us"], after=sequence[i - 1]["name"], before=row["name"])
+            for i, row in enumerate(sequence) if row["gap_us"] is not None and i > 0]
+    return dict(total_ms=round(sum(max(g["us"], 0.0) for g in gaps) / 1e3, 3),
+                longest=sorted(gaps, key=lambda g: -g["us"])[:n])
+
+
 def report(phase: str, wall_ms: float, per: int, table: dict, out: str) -> None:
     sequence = last_run_sequence(table, per)
     print(f"\n== {phase}: wall {wall_ms / per:.3f} ms, kernels {table['kernel_ms'] / per:.3f} ms "

@@ -18,7 +18,8 @@ set to the context (entries zero: the bytes read are those of a full cache), the
 Every program is compiled first, then all are timed round-robin `--rounds` times (median), so
 drift hits each alike; each record has the program's memory from XLA (temporaries: a copy of
 the cache shows there). `--profile DIR`: one more call of each under the profiler, with its
-40 longest kernels (`profile_inference.kernel_table`) in the record; `--hlo DIR`: each
+40 longest kernels (`profile_inference.kernel_table`) and where the GPU sat idle between
+kernels (`gaps`: the sum, the 12 longest) in the record; `--hlo DIR`: each
 program's optimized HLO. Writes `<out>.json` (one
 record per program and context, stamped) and `<out>.md`.
 """
@@ -123,7 +124,8 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives,
 
 
 def profile(calls: dict, out_dir: str) -> dict:
-    from benchmarks.research.profile_inference import kernel_table
+    from benchmarks.research.profile_inference import (kernel_table, largest_gaps,
+                                                       last_run_sequence)
     tables = {}
     for name, call in calls.items():
         where = os.path.join(out_dir, name.replace(" ", "_"))
@@ -131,7 +133,7 @@ def profile(calls: dict, out_dir: str) -> dict:
         with jax.profiler.trace(where):
             jax.block_until_ready(call())
         table = kernel_table(where, 40)
-        table.pop("events", None)
+        table["gaps"] = largest_gaps(last_run_sequence(table, 1), 12)   # pops the events
         tables[name] = table
     return tables
 
@@ -141,14 +143,17 @@ def table(records) -> str:
     lines = table_heading(
         f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
         f"{first['layers']} layers, {first['max_batch']} rows x {first['max_len']})", first) + [
-        "| context | program | ms | tokens | kernel ms (profiled) | temp MiB | aliased MiB "
-        "| recomputed ops |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| context | program | ms | tokens | kernel ms (profiled) | GPU idle ms (profiled) "
+        "| temp MiB | aliased MiB | recomputed ops |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
+        idle = r.get("kernels", {}).get("gaps", {}).get("total_ms")
         mem = r.get("memory", {})
         mib = lambda key: f"{mem[key] / 2**20:.1f}" if key in mem else ""  # noqa: E731
+        ms = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
         lines.append(f"| {r['context']} | {r['program']} | {r['ms']:.2f} | {r['tokens']} | "
-                     f"{'' if kernels is None else f'{kernels:.2f}'} | {mib('temp_bytes')} | "
+                     f"{ms(kernels)} | {ms(idle)} | {mib('temp_bytes')} | "
                      f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} |")
     return "\n".join(lines) + "\n"
 
