@@ -64,6 +64,7 @@ class Program:
         outputs, and the output bytes that alias an argument: the donated cache)."""
         args, kwargs = self.args(self._cache())
         self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile()
+        self._hlo = self.compiled.as_text()   # read twice (recomputed ops, --hlo): megabytes
         m = self.compiled.memory_analysis()
         # XLA's rematerialization (a pass that recomputes values, the gemms included, when it
         # thinks the program exceeds the card's memory) names what it recomputed `*_remat*`
@@ -75,7 +76,7 @@ class Program:
             remat_ops=remat)
 
     def hlo_text(self) -> str:
-        return self.compiled.as_text()
+        return self._hlo
 
     def __call__(self):
         if self.compiled is None:
