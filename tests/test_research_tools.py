@@ -3,6 +3,8 @@ the CPU: a probe that breaks is found here, not after a GPU machine has started 
 
 import json
 
+import pytest
+
 from benchmarks.research import serve_step_probe, sinks_cost, sinks_pooling
 
 
@@ -24,6 +26,22 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
         assert r["memory"]["remat_ops"] == 0
         assert set(r["kernels"]["gaps"]) == {"total_ms", "longest"}   # (no GPU kernels here)
     assert sorted(p.name for p in hlo.iterdir()) == ["32_chunk_8.hlo.gz", "32_decode_1.hlo.gz"]
+
+
+def test_serve_step_probe_times_each_program_once_per_xla_option_set(tmp_path):
+    out = tmp_path / "probe"
+    assert serve_step_probe.main(["--small", "--max-batch", "2", "--max-len", "64",
+                                  "--contexts", "32", "--chunks", "8", "--active", "1",
+                                  "--rounds", "1", "--no-direct", "--layers", "1",
+                                  "--variants", "default,no_command_buffer",
+                                  "--out", str(out)]) == 0
+    records = json.loads((tmp_path / "probe.json").read_text())
+    assert [(r["program"], r["variant"], r["tokens"]) for r in records] == [
+        ("chunk 8", "default", 8), ("decode 1", "default", 1),
+        ("chunk 8", "no_command_buffer", 8), ("decode 1", "no_command_buffer", 1)]
+    assert "| 32 | decode 1 | no_command_buffer |" in (tmp_path / "probe.md").read_text()
+    with pytest.raises(SystemExit, match="unknown"):
+        serve_step_probe.main(["--small", "--variants", "no_graphs", "--out", str(out)])
 
 
 def test_sinks_cost_pairs_each_round_with_the_no_sink_call(tmp_path):

@@ -20,7 +20,8 @@ drift hits each alike; each record has the program's memory from XLA (temporarie
 the cache shows there). `--profile DIR`: one more call of each under the profiler, with its
 40 longest kernels (`profile_inference.kernel_table`) and where the GPU sat idle between
 kernels (`gaps`: the sum, the 12 longest) in the record; `--hlo DIR`: each
-program's optimized HLO. Writes `<out>.json` (one
+program's optimized HLO; `--variants`: each program compiled once per named XLA option set
+(`VARIANTS`: e.g. without GPU command buffers) and timed in the same round-robin. Writes `<out>.json` (one
 record per program and context, stamped) and `<out>.md`.
 """
 
@@ -51,9 +52,10 @@ class Program:
     kwargs; it returns (cache, out), or (out..., cache) where `cache_first` is False."""
 
     def __init__(self, holder: dict, context: int, jitted, args, static: dict,
-                 cache_first: bool):
+                 cache_first: bool, options: dict | None = None):
         self.holder, self.context, self.jitted, self.args = holder, context, jitted, args
         self.static, self.cache_first, self.compiled = static, cache_first, None
+        self.options = options or None   # XLA options on top of the jitted function's own
 
     def _cache(self):
         cache = self.holder["cache"]
@@ -63,7 +65,8 @@ class Program:
         """Compiles; returns the program's memory in bytes (XLA's temporaries, arguments,
         outputs, and the output bytes that alias an argument: the donated cache)."""
         args, kwargs = self.args(self._cache())
-        self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile()
+        self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile(
+            self.options)
         self._hlo = self.compiled.as_text()   # read twice (recomputed ops, --hlo): megabytes
         m = self.compiled.memory_analysis()
         # XLA's rematerialization (a pass that recomputes values, the gemms included, when it
@@ -90,8 +93,13 @@ class Program:
         return out
 
 
+# XLA option sets a program can be compiled with besides its own (`--variants`): GPU command
+# buffers (CUDA graphs) record a program's kernels and replay them, updated when its buffers move
+VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""}}
+
+
 def programs(model, holder: dict, batch: int, context: int, chunks, actives,
-             direct: bool = True) -> dict:
+             direct: bool = True, options: dict | None = None) -> dict:
     from flax import nnx
 
     from cca_jax.prefill import prefill_chunk
@@ -107,21 +115,26 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives,
         calls[f"chunk {chunk}"] = Program(
             holder, context, _prefill_and_sample,
             lambda cache, sampled=sampled: ((state, cache, *sampled), {}),
-            dict(unroll=EngineConfig().unrolls(chunk)), cache_first=False)
+            dict(unroll=EngineConfig().unrolls(chunk)), cache_first=False, options=options)
         for unroll in (False, True) if direct else ():   # scanned: weights copied out first
             name = f"chunk {chunk} {'unrolled' if unroll else 'scanned'}"
             calls[name] = Program(
                 holder, context, prefill_chunk,
                 lambda cache, ids=ids, n_valid=n_valid: ((state, cache, ids, n_valid),
                                                          dict(rows=row)),
-                dict(unroll_layers=unroll), cache_first=True)
+                dict(unroll_layers=unroll), cache_first=True, options=options)
     for active in actives:
         args = (zeros, jnp.arange(batch) < active, zeros, zeros, *greedy)
         calls[f"decode {active}"] = Program(
             holder, context, _decode_and_sample,
             lambda cache, args=args: ((state, cache, *args), {}), dict(pool_slots=False),
-            cache_first=False)
+            cache_first=False, options=options)
     return calls
+
+
+def file_name(program: str) -> str:
+    """"decode 1 [no_command_buffer]" -> "decode_1_no_command_buffer"."""
+    return "_".join(program.replace("[", " ").replace("]", " ").split())
 
 
 def profile(calls: dict, out_dir: str) -> dict:
@@ -129,7 +142,7 @@ def profile(calls: dict, out_dir: str) -> dict:
                                                        last_run_sequence)
     tables = {}
     for name, call in calls.items():
-        where = os.path.join(out_dir, name.replace(" ", "_"))
+        where = os.path.join(out_dir, file_name(name))
         jax.block_until_ready(call())
         with jax.profiler.trace(where):
             jax.block_until_ready(call())
@@ -144,16 +157,17 @@ def table(records) -> str:
     lines = table_heading(
         f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
         f"{first['layers']} layers, {first['max_batch']} rows x {first['max_len']})", first) + [
-        "| context | program | ms | tokens | kernel ms (profiled) | GPU idle ms (profiled) "
-        "| temp MiB | aliased MiB | recomputed ops |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| context | program | XLA options | ms | tokens | kernel ms (profiled) "
+        "| GPU idle ms (profiled) | temp MiB | aliased MiB | recomputed ops |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
         idle = r.get("kernels", {}).get("gaps", {}).get("total_ms")
         mem = r.get("memory", {})
         mib = lambda key: f"{mem[key] / 2**20:.1f}" if key in mem else ""  # noqa: E731
         ms = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(f"| {r['context']} | {r['program']} | {r['ms']:.2f} | {r['tokens']} | "
+        lines.append(f"| {r['context']} | {r['program']} | {r.get('variant', 'default')} | "
+                     f"{r['ms']:.2f} | {r['tokens']} | "
                      f"{ms(kernels)} | {ms(idle)} | {mib('temp_bytes')} | "
                      f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} |")
     return "\n".join(lines) + "\n"
@@ -176,6 +190,9 @@ def main(argv=None) -> int:
                     help="write each program's optimized HLO there (<context>_<program>.hlo.gz)")
     ap.add_argument("--layers", type=int, default=None,
                     help="the model with this many layers (memory and HLO of a quick compile)")
+    ap.add_argument("--variants", default="default",
+                    help=f"compile every program once per XLA option set, timed side by side: "
+                    f"comma-separated names from {sorted(VARIANTS)}")
     ap.add_argument("--small", action="store_true",
                     help="a tiny float32 model (CPU check); the other flags still apply")
     ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
@@ -194,12 +211,20 @@ def main(argv=None) -> int:
                                  for value in (args.contexts, args.chunks, args.active))
     if max(contexts) + max(chunks) > trace.max_len:
         raise SystemExit(f"--contexts + --chunks must stay within --max-len {trace.max_len}")
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
     model = build_model(trace, args.attention, args.layers)
     holder = {"cache": init_cache(model.config, batch, trace.max_len)}
     records = []
     for context in contexts:
-        calls = programs(model, holder, batch, context, chunks, actives,
-                         direct=not args.no_direct)
+        calls = {}
+        for variant in variants:   # names: "decode 1", "decode 1 [no_command_buffer]"
+            suffix = "" if variant == "default" else f" [{variant}]"
+            calls.update({name + suffix: call for name, call in programs(
+                model, holder, batch, context, chunks, actives, direct=not args.no_direct,
+                options=VARIANTS[variant]).items()})
         memory = {}
         for name, call in calls.items():
             memory[name] = call.compile()
@@ -208,19 +233,21 @@ def main(argv=None) -> int:
         if args.hlo:
             os.makedirs(args.hlo, exist_ok=True)
             for name, call in calls.items():
-                where = os.path.join(args.hlo, f"{context}_{name.replace(' ', '_')}.hlo.gz")
+                where = os.path.join(args.hlo, f"{context}_{file_name(name)}.hlo.gz")
                 with gzip.open(where, "wt") as f:
                     f.write(call.hlo_text())
         times = round_robin({name: (call, ()) for name, call in calls.items()}, args.rounds)
         kernels = profile(calls, os.path.join(args.profile, str(context))) \
             if args.profile else {}
         for name, ms in times.items():
-            kind, *size = name.split()
+            kind, *size = name.split(" [")[0].split()
             tokens = int(size[0]) if kind in ("chunk", "decode") else 0
             records.append(dict(attention=args.attention, shape=trace.shape,
                                 layers=model.config.num_hidden_layers,
                                 max_batch=batch, max_len=trace.max_len, context=context,
-                                program=name, ms=round(ms, 3), tokens=tokens,
+                                program=name.split(" [")[0],
+                                variant=name.split(" [")[1][:-1] if " [" in name else "default",
+                                ms=round(ms, 3), tokens=tokens,
                                 memory=memory[name], kernels=kernels.get(name, {}),
                                 **stamp()))
             print(f"context {context}: {name}: {ms:.2f} ms", flush=True)
