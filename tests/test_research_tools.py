@@ -66,6 +66,17 @@ def test_sinks_pooling_variants_equal_the_librarys(tmp_path):
         assert r["max_abs_diff_vs_library"] == (None if r["variant"] == "no_sinks" else 0.0)
 
 
+def test_kernel_families_sum_names_that_differ_only_in_numbering():
+    from benchmarks.research.profile_inference import kernel_families
+    by_name = {"gemm_fusion_dot_180": (2, 3_000_000), "gemm_fusion_dot.12": (1, 1_000_000),
+               "loop_pad_fusion_63": (4, 2_500_000), "cca_forward_kernel": (1, 500_000),
+               "gemm_fusion_dot": (1, 1_000_000)}
+    assert kernel_families(by_name, 2) == [
+        dict(name="gemm_fusion_dot", count=4, ms=5.0),
+        dict(name="loop_pad_fusion", count=4, ms=2.5)]
+    assert [f["name"] for f in kernel_families(by_name, 9)][-1] == "cca_forward_kernel"
+
+
 def test_largest_gaps_name_the_kernels_around_each_idle_stretch():
     from benchmarks.research.profile_inference import largest_gaps
     sequence = [dict(name="a", us=5.0, gap_us=None), dict(name="b", us=1.0, gap_us=2.0),

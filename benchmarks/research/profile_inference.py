@@ -24,6 +24,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -58,10 +59,24 @@ def kernel_table(trace_dir: str, top: int) -> dict:
                 last = end if last is None else max(last, end)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     return dict(kernels=sum(c for c, _ in by_name.values()),
+                families=kernel_families({n: tuple(v) for n, v in by_name.items()}, top),
                 kernel_ms=sum(t for _, t in by_name.values()) / 1e6,
                 span_ms=(last - first) / 1e6 if first is not None else 0.0,
                 top=[dict(name=n[:120], count=c, ms=t / 1e6) for n, (c, t) in rows[:top]],
                 events=sorted(events))
+
+
+def kernel_families(by_name: dict, top: int) -> list[dict]:
+    """{name: (count, ns)} summed over names that differ only in XLA's numbering
+    (`gemm_fusion_dot_180`, `gemm_fusion_dot.12` -> `gemm_fusion_dot`), longest first: what
+    kind of work a program of many small kernels spends its time on."""
+    sums = collections.defaultdict(lambda: [0, 0])
+    for name, (count, ns) in by_name.items():
+        family = re.sub(r"([._]\d+)+$", "", name)[:120]
+        sums[family][0] += count
+        sums[family][1] += ns
+    rows = sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(name=n, count=c, ms=t / 1e6) for n, (c, t) in rows]
 
 
 def last_run_sequence(table: dict, per: int) -> list[dict]:

@@ -170,6 +170,13 @@ def table(records) -> str:
                      f"{r['ms']:.2f} | {r['tokens']} | "
                      f"{ms(kernels)} | {ms(idle)} | {mib('temp_bytes')} | "
                      f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} |")
+    for r in records:   # profiled: what kind of work the kernel time is
+        families = r.get("kernels", {}).get("families")
+        if families:
+            lines += ["", f"Kernel families of {r['program']} ({r.get('variant', 'default')}, "
+                      f"context {r['context']}), profiled:", "",
+                      "| kernels (XLA's numbering dropped) | count | ms |", "| --- | --- | --- |"]
+            lines += [f"| {f['name']} | {f['count']} | {f['ms']:.3f} |" for f in families[:15]]
     return "\n".join(lines) + "\n"
 
 
