@@ -165,7 +165,7 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
     ring, num_slots = cache.ring, cache.num_slots
     front, blocking = chunk_blocking(n, ring, num_slots, cfg.head_dim)
     total = front + n
-    blocked = BACKENDS[offset_implementation(cfg)].blocked
+    backend = BACKENDS[offset_implementation(cfg)]
     window = blocks.widest_window(pat, cache.max_len)   # raw keys of one query, at most
 
     p0 = cache.lengths if rows is None else cache.lengths[rows]
@@ -190,6 +190,10 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
         return put_slot_run(x, i, rows, slot, new)
     order = blocks.ring_order(p0, ring)
     raw_lo, core_lo, core_hi = blocks.chunk_ranges(pat, p0, n, front, num_slots)
+    # A backend that can reads each layer's slots in the stacked cache; else they are sliced
+    # out per layer (a copy of both slot arrays: 0.1 ms a layer at 7B, 128K, on an H100).
+    in_place = backend.reads_slots_in_cache(cache.ck.dtype, cfg.head_dim, num_slots)
+    cache_rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows
     if num_slots:
         slot, start = blocks.chunk_slots(pat, p0, n, front)
         done = (pat.slot_last(slot) < end[:, None]) & (slot < num_slots)
@@ -216,9 +220,12 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
                                                 group_last=start + length - 1)
             ck = put_slots(ck, i, new_ck)
             cv = put_slots(cv, i, new_cv)
-        if out_rows is None:
-            out = blocked(qv, kv_k, kv_v, of_layer(ck, i), of_layer(cv, i), raw_lo, core_lo,
-                          core_hi, blocking, window)[:, front:]
+        if out_rows is None and in_place:   # the slots read where they are: no copy
+            out = backend.blocked_in_cache(qv, kv_k, kv_v, ck, cv, i, cache_rows, raw_lo,
+                                           core_lo, core_hi, blocking, window)[:, front:]
+        elif out_rows is None:
+            out = backend.blocked(qv, kv_k, kv_v, of_layer(ck, i), of_layer(cv, i), raw_lo,
+                                  core_lo, core_hi, blocking, window)[:, front:]
         cache = cache.replace(k=put(cache.k, i, ring_from_rows(kv_k, front, p0, end, ring)),
                               v=put(cache.v, i, ring_from_rows(kv_v, front, p0, end, ring)),
                               ck=ck, cv=cv)

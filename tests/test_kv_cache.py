@@ -757,6 +757,44 @@ def test_chunk_into_some_rows_through_pallas_gpu_kernels():
     assert_caches_equal(some, whole)
 
 
+@pytest.mark.slow   # about 90 s: the Mosaic GPU kernels interpreted, 2 layers, twice
+@pytest.mark.parametrize("rows", [None, [1]], ids=["all rows", "one row"])
+def test_a_chunk_through_the_mosaic_kernel_reads_the_slots_in_the_cache(monkeypatch, rows):
+    """A bfloat16 chunk at an offset through the Mosaic GPU forward (its GPU interpreter here)
+    reads each layer's slots in place in the stacked cache
+    (`Backend.blocked_in_cache`) and gives, bit for bit, the logits and cache of the same
+    kernel on slots sliced out of the cache."""
+    from cca_jax.attention import pallas_mosaic_gpu
+    cfg = TINY.replace(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=64, attention="cca", group_size=4, window_size=6,
+                       dtype="bfloat16", param_dtype="bfloat16", implementation="mosaic_gpu")
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    state = nnx.split(model)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
+    cache, _ = prefill(model, init_cache(cfg, 2, 40),
+                       ids[:, :13], [13, 9], chunk_size=16)
+    assert cache.num_slots == 8     # a whole shared-memory tile: read in place
+    chunk, n_valid = jnp.asarray(ids[:, 13:21]), jnp.asarray([8, 6], jnp.int32)
+    if rows is not None:
+        chunk, n_valid, rows = chunk[1:], n_valid[1:], jnp.asarray(rows, jnp.int32)
+    backend = pallas_mosaic_gpu.MOSAIC_GPU
+    calls = []
+    real = type(backend)._blocked_in_cache
+    monkeypatch.setattr(type(backend), "_blocked_in_cache",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    got, got_logits = prefill_chunk(state, jax.tree.map(jnp.copy, cache), chunk, n_valid,
+                                    rows=rows)
+    assert calls       # every layer read its slots in place
+    monkeypatch.setattr(type(backend), "reads_slots_in_cache", lambda self, *a: False)
+    want, want_logits = prefill_chunk(state, jax.tree.map(jnp.copy, cache), chunk, n_valid,
+                                      rows=rows)
+    np.testing.assert_array_equal(np.asarray(got_logits, np.float32),
+                                  np.asarray(want_logits, np.float32))
+    for name in ("k", "v", "ck", "cv", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32),
+                                      np.asarray(getattr(want, name), np.float32))
+
+
 @pytest.mark.parametrize("name", ["cca", pytest.param("streaming", marks=pytest.mark.slow)])
 def test_decode_step_through_pallas_gpu_kernel(name):
     """decode_step with the Pallas GPU decode kernel (interpret mode here; the stacked cache

@@ -17,6 +17,8 @@ by row, and against the Triton kernels.
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ import pytest
 from cca_jax import blocks
 from cca_jax.padding import pad_row_bounds
 from pallas_kernels.mosaic_gpu import (MosaicBackwardConfig, MosaicConfig,
+                                       blocked_attention_in_cache_mosaic_gpu,
                                        blocked_attention_mosaic_gpu, mosaic_backward_config,
                                        mosaic_config, shared_memory_bytes, visit_tables)
 from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES, backward_shared_memory_bytes
@@ -155,6 +158,103 @@ def _small_inputs(dtype=jnp.bfloat16, d=128, length=40, m=3):
     c = jnp.zeros((1, m, 2, d), dtype)
     zeros = jnp.zeros((1, length), jnp.int32)
     return q, kv, kv, c, c, zeros, zeros, zeros
+
+
+def _in_cache_inputs(layers=3, rows=4, m=104, b=2, length=48, d=64, seed=0,
+                     dtype=jnp.bfloat16):
+    """q/k/v rows of a prefill chunk and a KV cache's stacked slots `[layers, rows, m, Hq, D]`
+    (Hq 2, Hkv 1) with the bounds of CCA at a chunk offset: rows see raw keys of their
+    window and every slot up to their own."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(keys[0], (b, length, 2, d), dtype)
+    k, v = (jax.random.normal(x, (b, length, 1, d), dtype) for x in keys[1:3])
+    ck_cache, cv_cache = (jax.random.normal(x, (layers, rows, m, 2, d), dtype)
+                          for x in keys[3:5])
+    t = jnp.arange(length)
+    raw_lo = jnp.broadcast_to(jnp.maximum(t - 20, 0), (b, length)).astype(jnp.int32)
+    core_lo = jnp.zeros((b, length), jnp.int32)
+    core_hi = jnp.broadcast_to(jnp.minimum(m - 30 + t, m), (b, length)).astype(jnp.int32)
+    return q, k, v, ck_cache, cv_cache, (raw_lo, core_lo, core_hi)
+
+
+def _dense_reference(q, k, v, ck, cv, bounds):
+    """The blocked contract in float64: row t sees raw keys [raw_lo[t], t] and slots
+    [core_lo[t], core_hi[t]) in one softmax; `[B, L, Hq, D]`."""
+    q, k, v, ck, cv = (np.asarray(x, np.float64) for x in (q, k, v, ck, cv))
+    raw_lo, core_lo, core_hi = (np.asarray(x) for x in bounds)
+    b, length, hq, d = q.shape
+    groups = hq // k.shape[2]
+    t, u, c = np.arange(length), np.arange(length), np.arange(ck.shape[1])
+    out = np.zeros(q.shape)
+    for row in range(b):
+        raw = (u[None] >= raw_lo[row][:, None]) & (u[None] <= t[:, None])
+        core = (c[None] >= core_lo[row][:, None]) & (c[None] < core_hi[row][:, None])
+        for h in range(hq):
+            keys = np.concatenate([k[row, :, h // groups], ck[row, :, h]])
+            values = np.concatenate([v[row, :, h // groups], cv[row, :, h]])
+            scores = q[row, :, h] @ keys.T / math.sqrt(d)
+            scores = np.where(np.concatenate([raw, core], axis=1), scores, -np.inf)
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[row, :, h] = (p / p.sum(axis=1, keepdims=True)) @ values
+    return out
+
+
+def test_dense_reference_is_the_kernels_contract():
+    """(The GPU tests' reference, checked on the interpreted-kernel-free path: xla's
+    blocked attention on the same bounds.)"""
+    from cca_jax.attention.xla import blocked_attention, default_blocking
+    q, k, v, ck_cache, cv_cache, bounds = _in_cache_inputs(layers=1, rows=2, m=40, b=2,
+                                                           length=24, d=16,
+                                                           dtype=jnp.float32)
+    ck, cv = ck_cache[0], cv_cache[0]
+    got = blocked_attention(q, k, v, ck, cv, *bounds, default_blocking(24, 40, 16))
+    np.testing.assert_allclose(np.asarray(got), _dense_reference(q, k, v, ck, cv, bounds),
+                               atol=1e-5)
+
+
+def test_in_cache_forward_lowers_for_cuda_reading_the_stacked_slots_in_place():
+    """The slots stay the cache's stacked arrays up to the kernel: one layer's slots are
+    neither sliced out nor padded to whole blocks (no op of a layer's slot size before the
+    custom call), and the layer may be traced (a scan over layers)."""
+    q, k, v, ck_cache, cv_cache, bounds = (
+        S(x.shape, x.dtype) if hasattr(x, "shape") else tuple(S(y.shape, y.dtype) for y in x)
+        for x in _in_cache_inputs(layers=3, rows=4, m=200))
+
+    def fwd(q, k, v, ck_cache, cv_cache, layer, rows, *b):
+        return blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, rows,
+                                                     *b, compute_wgs=1)
+    text = jax.jit(fwd).trace(q, k, v, ck_cache, cv_cache, S((), jnp.int32),
+                              S((2,), jnp.int32), *bounds).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "cca_forward" in text
+    # the stacked arrays, then layers x rows as one axis (a reshape): nothing of one layer
+    # (2x200x...), and no slot axis padded to whole blocks of 64 (x256x...)
+    assert set(re.findall(r"tensor<([\dx]*)x200x2x64xbf16>", text)) == {"3x4", "12"}
+    assert "x256x2x64" not in text
+
+
+def test_in_cache_forward_input_errors():
+    q, k, v, ck_cache, cv_cache, bounds = _in_cache_inputs(layers=2, rows=3, m=40)
+    rows = jnp.array([0, 2])
+    with pytest.raises(ValueError, match="multiple of 8.*C = 36"):
+        blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache[:, :, :36], cv_cache[:, :, :36],
+                                              0, rows, *bounds)
+    with pytest.raises(ValueError, match=r"stacked slots \[layers, rows, C >= 1, Hq, D\]"):
+        blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache[0], cv_cache[0], 0, rows,
+                                              *bounds)
+    with pytest.raises(ValueError, match=r"ck and cv must be \[B, m, Hq, D\]"):
+        blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache[..., :1, :], cv_cache[..., :1, :],
+                                              0, rows, *bounds)
+    with pytest.raises(ValueError, match=r"cache_rows must be an int array \[B=2\]"):
+        blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, 0, rows[:1], *bounds)
+    with pytest.raises(ValueError, match="layer must be an int scalar"):
+        blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, rows, rows, *bounds)
+    with pytest.raises(ValueError, match="slice the layer's slots"):
+        q80, k80, v80, c80, cv80, b80 = _in_cache_inputs(layers=1, rows=2, m=8, d=80, length=16)
+        blocked_attention_in_cache_mosaic_gpu(q80, k80, v80, c80, cv80, 0, rows, *b80)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache.astype(jnp.float32),
+                                              cv_cache.astype(jnp.float32), 0, rows, *bounds)
 
 
 def test_input_errors():
@@ -631,6 +731,30 @@ def test_gpu_forward_matches_float64_and_triton(dtype, d, hq, hkv, name, packed)
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype,d,m", [("bfloat16", 128, 1000), ("float16", 64, 8128)])
+def test_gpu_in_cache_forward_equals_the_sliced_slots(dtype, d, m):
+    """On the GPU the slot axis read in place is not padded: its last, partial key block
+    reads past the slots' end (TMA gives zeros there; the bounds mask them). The output
+    equals the kernel's on the slots sliced out and padded, bit for bit, and the float64
+    reference within the usual tolerance."""
+    from tests.row_errors import row_max_error
+    length = 300
+    q, k, v, ck_cache, cv_cache, bounds = _in_cache_inputs(
+        layers=3, rows=4, m=m, b=2, length=length, d=d, seed=5, dtype=jnp.dtype(dtype))
+    rows, layer = jnp.array([2, 0]), jnp.int32(1)
+    got = jax.jit(blocked_attention_in_cache_mosaic_gpu)(q, k, v, ck_cache, cv_cache, layer,
+                                                          rows, *bounds)
+    ck, cv = ck_cache[1, rows], cv_cache[1, rows]
+    want = jax.jit(blocked_attention_mosaic_gpu)(q, k, v, ck, cv, *bounds)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ref = _dense_reference(q, k, v, ck, cv, bounds)
+    err = row_max_error(got, ref)
+    print(f"{dtype} D={d} C={m}: row error vs float64 {err:.2e}")
+    assert err < ROW_TOL[dtype]["out"], err
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("dtype,d", [("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])
 def test_gpu_narrow_head_with_sinks_matches_float64_and_triton(dtype, d):
     """CCA with 4 sinks (g = 16, s = 256) at L = 1000: 5 of 8 CTAs take the 16-key narrow
@@ -820,6 +944,25 @@ def test_interpreted_kernel_matches_float64(tiling, packed, d):
     ref = cca_reference(q, k, v, 4, 37, segment_ids=None if seg is None else np.asarray(seg))
     err = row_max_error(out, ref)
     assert err < ROW_TOL["bfloat16"]["out"], err     # measured 1.3e-3 and 1.5e-3
+
+
+@pytest.mark.slow   # about 20 s: the interpreter at 48 rows
+def test_interpreted_in_cache_forward_equals_the_sliced_slots():
+    """Reading the slots of `cache_rows` at `layer` from the stacked cache (rows and layers
+    flattened, a row index per batch row, the slot axis unpadded: 104 slots in blocks of 64)
+    gives the very output of slicing those slots out first, bit for bit, in the GPU
+    interpreter."""
+    q, k, v, ck_cache, cv_cache, bounds = _in_cache_inputs(layers=3, rows=4, m=104)
+    rows = jnp.array([3, 1])
+    tiling = dict(compute_wgs=1, block_kv=64)
+    got = blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, jnp.int32(2),
+                                                rows, *bounds, interpret=True, **tiling)
+    want = blocked_attention_mosaic_gpu(q, k, v, ck_cache[2, rows], cv_cache[2, rows],
+                                        *bounds, interpret=True, **tiling)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    other = blocked_attention_mosaic_gpu(q, k, v, ck_cache[1, rows], cv_cache[1, rows],
+                                         *bounds, interpret=True, **tiling)
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
 
 
 @pytest.mark.slow   # about 60 s: the interpreter at 300 rows

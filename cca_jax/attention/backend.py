@@ -106,6 +106,12 @@ class Backend:
         reads only its visible slots, so the extra ones change nothing."""
         return slots
 
+    def reads_slots_in_cache(self, dtype, head_dim: int, slots: int) -> bool:
+        """Whether `blocked_in_cache` takes a KV cache's stacked slots of this dtype, head dim
+        and slot count in place; where not, the caller slices a layer's slots for `blocked`
+        (the same result, through a copy)."""
+        return False
+
     # ---- entry points: the named scope here, the work in the subclasses' `_` methods ----
 
     def attention(self, q, k, v, pattern: AttentionPattern, *, pooling: str, segment_ids):
@@ -116,6 +122,15 @@ class Backend:
         with jax.named_scope(f"attention_{self.name}"):
             return self._blocked(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window)
 
+    def blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo, core_lo,
+                         core_hi, blocking, window=None):
+        """`blocked` with the slots of q's row b read in place at `ck_cache[layer,
+        cache_rows[b]]` from a KV cache's stacked `[layers, rows, C, Hq, D]` slots; only
+        where `reads_slots_in_cache` says so. Inference (prefill chunks): no gradient."""
+        with jax.named_scope(f"attention_{self.name}"):
+            return self._blocked_in_cache(q, k, v, ck_cache, cv_cache, layer, cache_rows,
+                                          raw_lo, core_lo, core_hi, blocking, window)
+
     def decode(self, q, k_all, v_all, ck, cv, layer, pattern: AttentionPattern, positions):
         with jax.named_scope(f"attention_{self.name}"):
             return self._decode(q, k_all, v_all, ck, cv, layer, pattern, positions)
@@ -125,6 +140,10 @@ class Backend:
 
     def _blocked(self, q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window):
         raise NotImplementedError(f"{self.name} has no blocked entry")
+
+    def _blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
+                          core_lo, core_hi, blocking, window):
+        raise NotImplementedError(f"{self.name} reads no slots in a cache")
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         raise NotImplementedError(f"{self.name} has no decode entry")

@@ -197,6 +197,20 @@ class MosaicGpuBackend(Backend):
                                             interpret=_interpret_default(None), narrow_block=0,
                                             backward_tiling={"narrow_block": 0})
 
+    def reads_slots_in_cache(self, dtype, head_dim: int, slots: int) -> bool:
+        from pallas_kernels.mosaic_gpu import padded_head_dim
+        from pallas_kernels.mosaic_gpu.api import IN_CACHE_SLOT_MULTIPLE
+        return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+                and padded_head_dim(head_dim) == head_dim and slots >= 1
+                and slots % IN_CACHE_SLOT_MULTIPLE == 0)
+
+    def _blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
+                          core_lo, core_hi, blocking, window):
+        from pallas_kernels.mosaic_gpu import blocked_attention_in_cache_mosaic_gpu
+        return blocked_attention_in_cache_mosaic_gpu(
+            q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo, core_lo, core_hi,
+            interpret=_interpret_default(None), narrow_block=0)   # (as `_blocked`)
+
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_refusal
         d = q.shape[-1]

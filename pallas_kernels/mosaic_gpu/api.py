@@ -26,6 +26,9 @@ from pallas_kernels.mosaic_gpu.lead import check_lead_rows
 from pallas_kernels.shapes import check_blocked_inputs
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The TMA copies tile shared memory in 8-row tiles (`pipeline.smem_transforms`), and a slot
+# axis read in place (not padded to whole blocks) must come in whole tiles.
+IN_CACHE_SLOT_MULTIPLE = 8
 BACKWARDS = ("mosaic", "triton")
 
 
@@ -39,21 +42,30 @@ def _pad_head_dim(x, width: int):
         x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, lead: int = 0,
-            interpreted: bool = False):
-    """The kernel's operands: rows zero-padded to `cfg.row_multiple` (padded rows see only
-    themselves), slots to whole key blocks (at least one), bounds stacked `[B, 3, Lp]`, and
-    the visit tables. With `lead` rows (`lead.py`) the bounds and tables are those of rows
-    `[lead, L)` in their own frame, and q/k/v rows stay unpadded on the GPU."""
+def prepare_rows(q, k, v, raw_lo, core_lo, core_hi, cfg: MosaicConfig, lead: int = 0,
+                 interpreted: bool = False):
+    """The kernel's row operands: q/k/v rows zero-padded to `cfg.row_multiple` (padded rows
+    see only themselves), bounds stacked `[B, 3, Lp]`, and the visit tables. With `lead`
+    rows (`lead.py`) the bounds and tables are those of rows `[lead, L)` in their own frame,
+    and q/k/v rows stay unpadded on the GPU."""
     from pallas_kernels.mosaic_gpu.lead import frame_bounds, kernel_rows
     from pallas_kernels.mosaic_gpu.tables import visit_tables
     lp = round_up(q.shape[1] - lead, cfg.row_multiple)
-    mp = round_up(max(ck.shape[1], 1), cfg.block_kv)
     rlo, clo, chi = pad_row_bounds(*frame_bounds(raw_lo, core_lo, core_hi, lead), lp)
     tables = visit_tables(rlo, clo, chi, block_q=cfg.block_q, compute_wgs=cfg.compute_wgs,
                           block_kv=cfg.block_kv, narrow=cfg.narrow_block)
-    return (*(kernel_rows(x, lead, lp, interpreted) for x in (q, k, v)), pad_rows(ck, mp),
-            pad_rows(cv, mp), jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
+    return (*(kernel_rows(x, lead, lp, interpreted) for x in (q, k, v)),
+            jnp.stack([rlo, clo, chi], axis=1), tables.cta, tables.wg)
+
+
+def prepare(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, lead: int = 0,
+            interpreted: bool = False):
+    """The forward's operands: `prepare_rows`' with the slots zero-padded to whole key blocks
+    (at least one) between v and the bounds."""
+    q, k, v, bounds, cta, wg = prepare_rows(q, k, v, raw_lo, core_lo, core_hi, cfg, lead,
+                                            interpreted)
+    mp = round_up(max(ck.shape[1], 1), cfg.block_kv)
+    return q, k, v, pad_rows(ck, mp), pad_rows(cv, mp), bounds, cta, wg
 
 
 def _forward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, cfg: MosaicConfig, interpret,
@@ -168,3 +180,59 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     out = mosaic_core_attention(q, k, v, ck, cv, *(x.astype(jnp.int32) for x in bounds), cfg,
                                 backward_cfg, interpret, lead_rows)
     return out[..., :d]
+
+
+def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
+                                          core_lo, core_hi, *, interpret=None, **tiling):
+    """`blocked_attention_mosaic_gpu`'s forward with the slots read in place from a KV cache:
+    ck_cache, cv_cache `[layers, rows, C, Hq, D]` (C a positive multiple of 8), and q's row b sees the slots
+    `ck_cache[layer, cache_rows[b]]` (layer: int scalar, traced or not; cache_rows: int
+    `[B]`). Slicing a layer's slots out of the stacked cache and padding them to whole key
+    blocks, which the other entry needs, copies both slot arrays: 0.1 ms a layer in the
+    serving chunk of the 7B shape at 128K (H100). Inference only (no gradient); head dims 64,
+    128 and 256 (the others would need the slots padded: slice them and use
+    `blocked_attention_mosaic_gpu`). Other arguments as there, without lead rows."""
+    bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
+    if ck_cache.ndim != 5 or cv_cache.shape != ck_cache.shape or ck_cache.shape[2] < 1:
+        raise ValueError(f"ck_cache and cv_cache must be a KV cache's stacked slots "
+                         f"[layers, rows, C >= 1, Hq, D]; got {ck_cache.shape} and "
+                         f"{cv_cache.shape}.")
+    if ck_cache.shape[2] % IN_CACHE_SLOT_MULTIPLE:
+        raise ValueError(f"the slot axis read in place must be a multiple of "
+                         f"{IN_CACHE_SLOT_MULTIPLE} (the kernel's shared-memory tiles), got "
+                         f"C = {ck_cache.shape[2]}; slice the layer's slots and use "
+                         f"blocked_attention_mosaic_gpu, which pads them.")
+    n_layers, n_rows, m = ck_cache.shape[:3]
+    b = q.shape[0]
+    one_row = jax.ShapeDtypeStruct((b, m, *ck_cache.shape[3:]), ck_cache.dtype)
+    check_blocked_inputs(q, k, v, one_row, one_row, bounds)
+    if jnp.shape(cache_rows) != (b,) or not jnp.issubdtype(jnp.result_type(cache_rows),
+                                                           jnp.integer):
+        raise ValueError(f"cache_rows must be an int array [B={b}], got "
+                         f"{jnp.result_type(cache_rows)} {jnp.shape(cache_rows)}.")
+    if jnp.shape(layer) != ():
+        raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}.")
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, ck_cache, cv_cache)}
+    if len(dtypes) != 1 or dtypes.pop() not in _DTYPES:
+        raise ValueError(f"the Mosaic GPU kernels take bfloat16 or float16 q, k, v and slots "
+                         f"of one dtype, got {[str(x.dtype) for x in (q, k, v, ck_cache)]}.")
+    d = q.shape[-1]
+    if padded_head_dim(d) != d:
+        raise ValueError(f"blocked_attention_in_cache_mosaic_gpu takes head_dim "
+                         f"{HEAD_DIMS[0]}, 128 or {HEAD_DIMS[-1]}, got {d}; slice the layer's "
+                         f"slots and use blocked_attention_mosaic_gpu, which pads them.")
+    cfg = mosaic_config(head_dim=d, **tiling)
+    check_shared_memory(cfg, d, q.dtype.itemsize)
+    interpret = interpret_params(interpret)
+    # layers x rows as one axis (a free reshape of the stacked arrays): one row index each
+    slot_rows = (jnp.clip(jnp.asarray(layer, jnp.int32), 0, n_layers - 1) * n_rows
+                 + jnp.clip(jnp.asarray(cache_rows, jnp.int32), 0, n_rows - 1))
+    ck, cv = (x.reshape(n_layers * n_rows, *x.shape[2:]) for x in (ck_cache, cv_cache))
+    if interpret is not None:   # the interpreter reads no zeros past an array's end
+        ck, cv = (pad_rows(x, round_up(m, cfg.block_kv)) for x in (ck, cv))
+    from pallas_kernels.mosaic_gpu.forward import forward
+    q_rows, k_rows, v_rows, stacked, cta, wg = prepare_rows(
+        q, k, v, *(x.astype(jnp.int32) for x in bounds), cfg, 0, interpret is not None)
+    out, _ = forward(q_rows, k_rows, v_rows, ck, cv, stacked, cta, wg, cfg,
+                     interpret=interpret, slot_rows=slot_rows)
+    return out[:, :q.shape[1]]

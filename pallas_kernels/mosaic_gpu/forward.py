@@ -1,7 +1,8 @@
 """The CCA forward as a warp-specialised Mosaic GPU kernel (sm_90: wgmma, TMA, mbarriers).
 
 Inputs are padded (`api`): q `[B, Lp, Hq, D]`, k/v `[B, Lp, Hkv, D]`, slots ck/cv
-`[B, Mp, Hq, D]`, the per-row bounds stacked `[B, 3, Lp]` (raw_lo, core_lo, core_hi) and the
+`[B, Mp, Hq, D]` (or any number of slot rows, one per batch row picked by `slot_rows`:
+a KV cache's, read in place), the per-row bounds stacked `[B, 3, Lp]` (raw_lo, core_lo, core_hi) and the
 two visit tables of `tables.visit_tables` (with `cfg.narrow_block` as their `narrow`). Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp
 `[B, Hq, Lp]` float32 (the Triton forward's convention, so its backward can reuse it).
 
@@ -60,7 +61,7 @@ def _layouts(interpreted: bool):
             functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
+def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, slot_row_ref,
             out_ref, lse_ref,
             qo_smem, k_smem, v_smem, rows_smem, lse_smem,
             q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *head_scratch,
@@ -226,6 +227,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
         if wgs == 2:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
         kv_head = head if groups == 1 else lax.div(head, jnp.int32(groups))
+        slot_row = slot_row_ref[batch]    # the row of ck/cv holding this batch row's slots
 
         def copy(s, slot, raw_ref, core_ref, smem, ready):
             is_raw = s < n_raw
@@ -239,7 +241,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
             @pl.when(jnp.logical_not(is_raw))
             def _():
                 rows = pl.ds((core_first + s - n_raw) * bk, bk)
-                plgpu.copy_gmem_to_smem(core_ref.at[batch, rows, head], smem.at[slot],
+                plgpu.copy_gmem_to_smem(core_ref.at[slot_row, rows, head], smem.at[slot],
                                         ready.at[slot])
 
         if narrow:
@@ -273,7 +275,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref,
 
 
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
-            interpret=None, row_offset: int = 0):
+            interpret=None, row_offset: int = 0, slot_rows=None):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
     `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
     `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
@@ -281,9 +283,15 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     wgmma operands, so there the two products are plain dots on the shared-memory tiles).
     `row_offset` (`lead.py`): the kernel computes rows `[row_offset, row_offset + Lp)` of
     q/k/v/out (Lp = the bounds' length, its frame; rows of q/k/v past their end read as
-    zeros on the GPU) and leaves out's first `row_offset` rows unwritten."""
+    zeros on the GPU) and leaves out's first `row_offset` rows unwritten. `slot_rows` (int32
+    `[B]`, default `arange(B)`): batch row b reads its slots from row `slot_rows[b]` of ck/cv,
+    which may then hold other rows too (a KV cache's slots, layers and rows flattened into
+    one axis, read in place: `api.blocked_attention_in_cache_mosaic_gpu`); slot blocks past
+    ck/cv's end read as zeros on the GPU, where the bounds mask them."""
     b, _, hq, d = q.shape
     lp = bounds.shape[-1]
+    if slot_rows is None:
+        slot_rows = jnp.arange(b, dtype=jnp.int32)
     scale = softmax_scale(cfg, d)
     wgs, stages = cfg.compute_wgs, cfg.stages
     transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
@@ -328,4 +336,4 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, ck, cv, bounds, cta_visits, wg_visits)
+    )(q, k, v, ck, cv, bounds, cta_visits, wg_visits, slot_rows.astype(jnp.int32))
