@@ -222,7 +222,7 @@ def _prefill_chunk_body(model_state, cache: KVCache, ids, n_valid, all_logits: b
             cv = put_slots(cv, i, new_cv)
         if out_rows is None and in_place:   # the slots read where they are: no copy
             out = backend.blocked_in_cache(qv, kv_k, kv_v, ck, cv, i, cache_rows, raw_lo,
-                                           core_lo, core_hi, blocking, window)[:, front:]
+                                           core_lo, core_hi, blocking, window, front)
         elif out_rows is None:
             out = backend.blocked(qv, kv_k, kv_v, of_layer(ck, i), of_layer(cv, i), raw_lo,
                                   core_lo, core_hi, blocking, window)[:, front:]

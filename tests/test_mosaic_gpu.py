@@ -965,6 +965,30 @@ def test_interpreted_in_cache_forward_equals_the_sliced_slots():
     assert not np.array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
 
 
+@pytest.mark.slow   # 35-70 s each: the interpreter at 48 rows, twice
+@pytest.mark.parametrize("key_splits", [2, 5])
+def test_interpreted_key_splits_merge_to_the_unsplit_softmax(key_splits):
+    """Each row block's walk split over CTAs (2: both take steps; 5: more CTAs than a row
+    block's at most 4 steps,
+    some walk none and must weigh nothing), their partial softmaxes merged: the output of
+    the unsplit walk within bfloat16 rounding of the partial outputs, in the GPU
+    interpreter."""
+    from tests.row_errors import row_max_error
+    q, k, v, ck_cache, cv_cache, bounds = _in_cache_inputs(layers=2, rows=3, m=104)
+    rows, tiling = jnp.array([2, 0]), dict(compute_wgs=1, block_kv=64)
+    args = (q, k, v, ck_cache, cv_cache, jnp.int32(1), rows, *bounds)
+    got = blocked_attention_in_cache_mosaic_gpu(*args, key_splits=key_splits, interpret=True,
+                                                **tiling)
+    want = blocked_attention_in_cache_mosaic_gpu(*args, interpret=True, **tiling)
+    err = row_max_error(got, np.asarray(want, np.float64))
+    ref = _dense_reference(q, k, v, ck_cache[1, rows], cv_cache[1, rows], bounds)
+    err64, unsplit64 = row_max_error(got, ref), row_max_error(want, ref)
+    print(f"key_splits={key_splits}: row error vs unsplit {err:.2e}, vs float64 {err64:.2e} "
+          f"(unsplit {unsplit64:.2e})")
+    assert got.dtype == q.dtype and 0 < err < ROW_TOL["bfloat16"]["out"], err
+    assert err64 < ROW_TOL["bfloat16"]["out"], err64
+
+
 @pytest.mark.slow   # about 60 s: the interpreter at 300 rows
 @pytest.mark.parametrize("narrow", [16, 0])
 def test_interpreted_narrow_head_with_sinks_matches_float64(narrow):

@@ -123,13 +123,15 @@ class Backend:
             return self._blocked(q, k, v, ck, cv, raw_lo, core_lo, core_hi, blocking, window)
 
     def blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo, core_lo,
-                         core_hi, blocking, window=None):
+                         core_hi, blocking, window=None, first_row: int = 0):
         """`blocked` with the slots of q's row b read in place at `ck_cache[layer,
-        cache_rows[b]]` from a KV cache's stacked `[layers, rows, C, Hq, D]` slots; only
-        where `reads_slots_in_cache` says so. Inference (prefill chunks): no gradient."""
+        cache_rows[b]]` from a KV cache's stacked `[layers, rows, C, Hq, D]` slots, the output
+        of rows `[first_row, L)` only (a prefill chunk's, after its ring rows); only where
+        `reads_slots_in_cache` says so. Inference (prefill chunks): no gradient."""
         with jax.named_scope(f"attention_{self.name}"):
             return self._blocked_in_cache(q, k, v, ck_cache, cv_cache, layer, cache_rows,
-                                          raw_lo, core_lo, core_hi, blocking, window)
+                                          raw_lo, core_lo, core_hi, blocking, window,
+                                          first_row)
 
     def decode(self, q, k_all, v_all, ck, cv, layer, pattern: AttentionPattern, positions):
         with jax.named_scope(f"attention_{self.name}"):
@@ -142,7 +144,7 @@ class Backend:
         raise NotImplementedError(f"{self.name} has no blocked entry")
 
     def _blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
-                          core_lo, core_hi, blocking, window):
+                          core_lo, core_hi, blocking, window, first_row):
         raise NotImplementedError(f"{self.name} reads no slots in a cache")
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):

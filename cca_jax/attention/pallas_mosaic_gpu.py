@@ -58,6 +58,32 @@ def gpu_capability() -> float | None:
     return float(capability) if capability else None
 
 
+# A prefill chunk's rows split their keys over at most this many CTAs each
+# (`prefill_key_splits`).
+MAX_PREFILL_KEY_SPLITS = 4
+
+
+def gpu_core_count(default: int = 132) -> int:
+    """Streaming multiprocessors of this process's first GPU (`default`, an H100's or H200's,
+    where jax does not say or there is no GPU)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return default
+    return int(getattr(devices[0], "core_count", 0) or default) if devices else default
+
+
+def prefill_key_splits(live_rows: int, cta_rows: int, heads: int, batch: int,
+                       cores: int) -> int:
+    """How many CTAs walk the keys of each block of a chunk's rows: enough that the chunk's
+    (head, row block, batch row) CTAs fill the GPU's `cores` once (at most
+    `MAX_PREFILL_KEY_SPLITS`). 256 rows of 32 heads in blocks of 128 are 64 CTAs, each
+    walking ~80 key blocks of a 128K context while half of an H100's 132 SMs idle: 2 splits;
+    a chunk of 2048 rows fills the GPU alone: 1."""
+    ctas = -(-live_rows // cta_rows) * heads * batch
+    return max(1, min(MAX_PREFILL_KEY_SPLITS, cores // max(ctas, 1)))
+
+
 def _interpret_default(interpret):
     return jax.default_backend() == "cpu" if interpret is None else interpret
 
@@ -205,11 +231,14 @@ class MosaicGpuBackend(Backend):
                 and slots % IN_CACHE_SLOT_MULTIPLE == 0)
 
     def _blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
-                          core_lo, core_hi, blocking, window):
-        from pallas_kernels.mosaic_gpu import blocked_attention_in_cache_mosaic_gpu
+                          core_lo, core_hi, blocking, window, first_row):
+        from pallas_kernels.mosaic_gpu import blocked_attention_in_cache_mosaic_gpu, mosaic_config
+        cta_rows = mosaic_config(head_dim=q.shape[-1]).cta_rows
+        splits = prefill_key_splits(q.shape[1] - first_row, cta_rows, q.shape[2], q.shape[0],
+                                    gpu_core_count())
         return blocked_attention_in_cache_mosaic_gpu(
             q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo, core_lo, core_hi,
-            interpret=_interpret_default(None), narrow_block=0)   # (as `_blocked`)
+            first_row=first_row, key_splits=splits, interpret=_interpret_default(None))
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
         from pallas_kernels.mosaic_gpu.decode import decode_refusal

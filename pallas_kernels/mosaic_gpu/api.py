@@ -183,7 +183,8 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
 
 
 def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
-                                          core_lo, core_hi, *, interpret=None, **tiling):
+                                          core_lo, core_hi, *, first_row: int = 0,
+                                          key_splits: int = 1, interpret=None, **tiling):
     """`blocked_attention_mosaic_gpu`'s forward with the slots read in place from a KV cache:
     ck_cache, cv_cache `[layers, rows, C, Hq, D]` (C a positive multiple of 8), and q's row b sees the slots
     `ck_cache[layer, cache_rows[b]]` (layer: int scalar, traced or not; cache_rows: int
@@ -191,7 +192,15 @@ def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, ca
     blocks, which the other entry needs, copies both slot arrays: 0.1 ms a layer in the
     serving chunk of the 7B shape at 128K (H100). Inference only (no gradient); head dims 64,
     128 and 256 (the others would need the slots padded: slice them and use
-    `blocked_attention_mosaic_gpu`). Other arguments as there, without lead rows."""
+    `blocked_attention_mosaic_gpu`). Returns rows `[first_row, L)` only, `[B, L - first_row,
+    Hq, D]` (a prefill chunk's rows after the ring's). `key_splits` S: each row block's keys
+    walked by S CTAs and their partial softmaxes merged (`forward.merge_key_splits`), for a
+    chunk of a few hundred rows, whose row blocks alone leave most of the GPU idle. Other
+    arguments as there, without lead rows."""
+    if isinstance(key_splits, bool) or not isinstance(key_splits, int) or key_splits < 1:
+        raise ValueError(f"key_splits must be a positive int, got {key_splits!r}.")
+    if not 0 <= first_row < q.shape[1]:
+        raise ValueError(f"first_row must be in [0, L={q.shape[1]}), got {first_row}.")
     bounds = tuple(jnp.asarray(x) for x in (raw_lo, core_lo, core_hi))
     if ck_cache.ndim != 5 or cv_cache.shape != ck_cache.shape or ck_cache.shape[2] < 1:
         raise ValueError(f"ck_cache and cv_cache must be a KV cache's stacked slots "
@@ -221,7 +230,8 @@ def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, ca
         raise ValueError(f"blocked_attention_in_cache_mosaic_gpu takes head_dim "
                          f"{HEAD_DIMS[0]}, 128 or {HEAD_DIMS[-1]}, got {d}; slice the layer's "
                          f"slots and use blocked_attention_mosaic_gpu, which pads them.")
-    cfg = mosaic_config(head_dim=d, **tiling)
+    # no narrow head by default: whether a CTA takes one depends on where the chunk starts
+    cfg = mosaic_config(head_dim=d, **{"narrow_block": 0, **tiling})
     check_shared_memory(cfg, d, q.dtype.itemsize)
     interpret = interpret_params(interpret)
     # layers x rows as one axis (a free reshape of the stacked arrays): one row index each
@@ -230,9 +240,12 @@ def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, ca
     ck, cv = (x.reshape(n_layers * n_rows, *x.shape[2:]) for x in (ck_cache, cv_cache))
     if interpret is not None:   # the interpreter reads no zeros past an array's end
         ck, cv = (pad_rows(x, round_up(m, cfg.block_kv)) for x in (ck, cv))
-    from pallas_kernels.mosaic_gpu.forward import forward
+    from pallas_kernels.mosaic_gpu.forward import forward, merge_key_splits
     q_rows, k_rows, v_rows, stacked, cta, wg = prepare_rows(
         q, k, v, *(x.astype(jnp.int32) for x in bounds), cfg, 0, interpret is not None)
-    out, _ = forward(q_rows, k_rows, v_rows, ck, cv, stacked, cta, wg, cfg,
-                     interpret=interpret, slot_rows=slot_rows)
-    return out[:, :q.shape[1]]
+    out, lse = forward(q_rows, k_rows, v_rows, ck, cv, stacked, cta, wg, cfg,
+                       interpret=interpret, slot_rows=slot_rows, key_splits=key_splits)
+    if key_splits > 1:   # merged where wanted only
+        return merge_key_splits(out[:, :, first_row:q.shape[1]],
+                                lse[..., first_row:q.shape[1]], q.dtype)
+    return out[:, first_row:q.shape[1]]

@@ -65,7 +65,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
             out_ref, lse_ref,
             qo_smem, k_smem, v_smem, rows_smem, lse_smem,
             q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *head_scratch,
-            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool, row_offset: int):
+            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool, row_offset: int,
+            splits: int):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
     narrow = cfg.narrow_block
     # Rows of q/k/v/out: the kernel's frame (its bounds, tables and masks) starts at row_offset.
@@ -75,6 +76,9 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile = lax.axis_index("q_tiles")
+    split = lax.axis_index("splits") if splits > 1 else 0
+    if splits > 1:   # this CTA's share of the walk and its own partial output
+        out_ref, lse_ref = out_ref.at[split], lse_ref.at[split]
     if cfg.heavy_first:
         tile = cta_ref.shape[1] - 1 - tile
     use_sched = wgs == 2 and cfg.schedule_barrier
@@ -85,7 +89,14 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     raw_first = cta_ref[batch, tile, RAW_FIRST]
     core_first = cta_ref[batch, tile, CORE_FIRST]
     n_raw = cta_ref[batch, tile, RAW_LAST] - raw_first
-    n_steps = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
+    n_all = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
+    # With key splits, the CTA walks steps [s0, s1) of the n_all (possibly none: it then
+    # writes a zero output and a log2-sum-exp of about -1e30, which the merge weighs zero).
+    # Step indices below are the CTA's own: step s of the walk is step s0 + s overall.
+    per = lax.div(n_all + splits - 1, jnp.int32(splits))
+    s0 = jnp.minimum(split * per, n_all)
+    n_steps = jnp.minimum(s0 + per, n_all) - s0
+    raw_done = jnp.minimum(s0, n_raw)            # raw steps before this CTA's share
     # The narrow head (0 or 1 step, not in the ring): keys [head_start, head_start + narrow).
     n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else 0
     head_start = raw_first * bk - narrow if narrow else None
@@ -200,16 +211,24 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
         carry = (as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)),
                  as_rows(jnp.full((bq,), _MAX_INIT, jnp.float32)),
                  as_rows(jnp.zeros((bq,), jnp.float32)))
-        plgpu.barrier_wait(k_ready.at[0])    # n_steps >= 1: every row sees its own key
+        @pl.when(n_steps > 0)     # unsplit, n_steps >= 1: every row sees its own key
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
         if use_sched:
             pl.when(wg == 1)(schedule_barrier)
         if narrow:
             carry = lax.fori_loop(0, n_head, head_step, carry)
-        carry = walk(raw_first, wg_ref[batch, own, RAW_FULL_FIRST],
-                     wg_ref[batch, own, RAW_FULL_LAST], raw_first + n_raw, 0, raw_visible,
+        # this CTA's raw blocks, then its core blocks (step s0 + s: raw block raw_first +
+        # s0 + s while below n_raw, else core block core_first + s0 + s - n_raw)
+        raw_end = jnp.minimum(s0 + n_steps, n_raw)
+        carry = walk(raw_first + raw_done, wg_ref[batch, own, RAW_FULL_FIRST],
+                     wg_ref[batch, own, RAW_FULL_LAST], raw_first + raw_end, 0, raw_visible,
                      carry)
-        carry = walk(core_first, wg_ref[batch, own, CORE_FULL_FIRST],
-                     wg_ref[batch, own, CORE_FULL_LAST], core_first + n_steps - n_raw, n_raw,
+        core_start = jnp.maximum(s0, n_raw) - n_raw
+        carry = walk(core_first + core_start, wg_ref[batch, own, CORE_FULL_FIRST],
+                     wg_ref[batch, own, CORE_FULL_LAST],
+                     core_first + jnp.maximum(s0 + n_steps - n_raw, core_start),
+                     raw_end - raw_done,
                      core_visible, carry)
         if use_sched:
             pl.when(wg == 0)(schedule_barrier)
@@ -230,6 +249,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
         slot_row = slot_row_ref[batch]    # the row of ck/cv holding this batch row's slots
 
         def copy(s, slot, raw_ref, core_ref, smem, ready):
+            s = s0 + s       # the walk's step
             is_raw = s < n_raw
 
             @pl.when(is_raw)
@@ -275,7 +295,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
 
 
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
-            interpret=None, row_offset: int = 0, slot_rows=None):
+            interpret=None, row_offset: int = 0, slot_rows=None, key_splits: int = 1):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
     `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
     `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
@@ -287,9 +307,18 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     `[B]`, default `arange(B)`): batch row b reads its slots from row `slot_rows[b]` of ck/cv,
     which may then hold other rows too (a KV cache's slots, layers and rows flattened into
     one axis, read in place: `api.blocked_attention_in_cache_mosaic_gpu`); slot blocks past
-    ck/cv's end read as zeros on the GPU, where the bounds mask them."""
+    ck/cv's end read as zeros on the GPU, where the bounds mask them. `key_splits` S > 1
+    (inference: no backward takes these): each (head, row block, batch row) is S CTAs, each
+    walking about 1/S of its steps, for calls with too few row blocks to fill the GPU (a
+    prefill chunk of a few hundred tokens against 128K of context); out and log2-sum-exp
+    then come per split, `[S, ...]`, each normalized over its own keys (`merge_key_splits`
+    combines them)."""
     b, _, hq, d = q.shape
     lp = bounds.shape[-1]
+    if key_splits < 1 or (key_splits > 1 and cfg.narrow_block):
+        raise ValueError(f"key_splits must be >= 1, and 1 with a narrow head "
+                         f"(narrow_block={cfg.narrow_block}); got {key_splits}.")
+    split_axis = (key_splits,) if key_splits > 1 else ()
     if slot_rows is None:
         slot_rows = jnp.arange(b, dtype=jnp.int32)
     scale = softmax_scale(cfg, d)
@@ -323,17 +352,28 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
                                transforms=narrow_swizzle),                         # V head
                     plgpu.Barrier(num_barriers=2))                 # K, V head landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
-                               interpreted=interpret is not None, row_offset=row_offset)
+                               interpreted=interpret is not None, row_offset=row_offset,
+                               splits=key_splits)
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((*split_axis, *q.shape), q.dtype),
+                  jax.ShapeDtypeStruct((*split_axis, b, hq, lp), jnp.float32)),
         scratch_types=scratch,
-        grid=(hq, lp // cfg.cta_rows, b),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=(hq, lp // cfg.cta_rows, b, *split_axis),
+        grid_names=("heads", "q_tiles", "batch", *(("splits",) if split_axis else ())),
         kernel_name="cca_forward",   # profiles tell the four kernels apart by name
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(q, k, v, ck, cv, bounds, cta_visits, wg_visits, slot_rows.astype(jnp.int32))
+
+
+def merge_key_splits(out, lse, out_dtype):
+    """The one softmax over all keys from S partial ones (`forward(key_splits=S)`): out `[S,
+    B, L, Hq, D]`, each normalized over its split's keys, and log2-sum-exp `[S, B, Hq, L]`
+    -> `[B, L, Hq, D]`, each split weighted by its share of the row's sum."""
+    w = jnp.exp2(lse - jnp.max(lse, axis=0, keepdims=True))          # [S, B, Hq, L]
+    w = jnp.moveaxis(w, -1, 2)[..., None]                            # [S, B, L, Hq, 1]
+    total = jnp.sum(w * out.astype(jnp.float32), axis=0)
+    return (total / jnp.sum(w, axis=0)).astype(out_dtype)
