@@ -59,7 +59,7 @@ def chunk_inputs(chunk: int, context: int, max_len: int, hq: int, hkv: int, d: i
     return q, k, v, ck, cv, tuple(x.astype(jnp.int32) for x in bounds), front
 
 
-def variants(front: int, splits, default_splits: int, interpret) -> dict:
+def variants(front: int, splits, default_splits: int, interpret, tiling: dict) -> dict:
     from pallas_kernels.mosaic_gpu import (blocked_attention_in_cache_mosaic_gpu,
                                            blocked_attention_mosaic_gpu)
     rows = jnp.array([ROW], jnp.int32)
@@ -67,13 +67,13 @@ def variants(front: int, splits, default_splits: int, interpret) -> dict:
     def sliced(q, k, v, ck, cv, *bounds):
         one = (jax.lax.dynamic_slice_in_dim(x[LAYER], ROW, 1) for x in (ck, cv))
         return blocked_attention_mosaic_gpu(q, k, v, *one, *bounds, narrow_block=0,
-                                            interpret=interpret)[:, front:]
+                                            interpret=interpret, **tiling)[:, front:]
 
     def in_place(key_splits):
         def fn(q, k, v, ck, cv, *bounds):
             return blocked_attention_in_cache_mosaic_gpu(
                 q, k, v, ck, cv, jnp.int32(LAYER), rows, *bounds, first_row=front,
-                key_splits=key_splits, interpret=interpret)
+                key_splits=key_splits, interpret=interpret, **tiling)
         return fn
     fns = {"sliced": sliced}
     fns.update({f"in_place_s{s}": in_place(s) for s in splits})
@@ -117,8 +117,9 @@ def main(argv=None) -> int:
                     "2/1 heads of 64, g 4, s 16")
     ap.add_argument("--out", default="benchmarks/results/research/chunk_attention_h200")
     args = ap.parse_args(argv)
-    interpret = None
-    if args.small:
+    interpret, tiling = None, {}
+    if args.small:   # one consumer warpgroup: the interpreter runs a thread per warpgroup
+        tiling = dict(compute_wgs=1, block_kv=64)
         args.chunks, args.context, args.max_len = "16", 96, 128
         args.hq, args.hkv, args.d, args.g, args.s = 2, 1, 64, 4, 16
         args.rounds, interpret = min(args.rounds, 2), True
@@ -132,9 +133,9 @@ def main(argv=None) -> int:
                                                       args.hq, args.hkv, args.d, pattern,
                                                       jnp.bfloat16)
         from pallas_kernels.mosaic_gpu import mosaic_config
-        default = prefill_key_splits(chunk, mosaic_config(head_dim=args.d).cta_rows, args.hq,
-                                     1, gpu_core_count())
-        fns = variants(front, splits, default, interpret)
+        default = prefill_key_splits(chunk, mosaic_config(head_dim=args.d, **tiling).cta_rows,
+                                     args.hq, 1, gpu_core_count())
+        fns = variants(front, splits, default, interpret, tiling)
         operands = (q, k, v, ck, cv, *bounds)
         outs = {name: fn(*operands) for name, fn in fns.items()}
         times = round_robin({name: (fn, operands) for name, fn in fns.items()}, args.rounds)

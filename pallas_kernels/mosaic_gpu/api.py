@@ -243,8 +243,10 @@ def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, ca
     from pallas_kernels.mosaic_gpu.forward import forward, merge_key_splits
     q_rows, k_rows, v_rows, stacked, cta, wg = prepare_rows(
         q, k, v, *(x.astype(jnp.int32) for x in bounds), cfg, 0, interpret is not None)
+    # the row blocks from first_row's on: a chunk's ring rows in front cost no CTA
     out, lse = forward(q_rows, k_rows, v_rows, ck, cv, stacked, cta, wg, cfg,
-                       interpret=interpret, slot_rows=slot_rows, key_splits=key_splits)
+                       interpret=interpret, slot_rows=slot_rows, key_splits=key_splits,
+                       first_tile=first_row // cfg.cta_rows)
     if key_splits > 1:   # merged where wanted only
         return merge_key_splits(out[:, :, first_row:q.shape[1]],
                                 lse[..., first_row:q.shape[1]], q.dtype)

@@ -66,7 +66,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
             qo_smem, k_smem, v_smem, rows_smem, lse_smem,
             q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *head_scratch,
             cfg: MosaicConfig, groups: int, scale: float, interpreted: bool, row_offset: int,
-            splits: int):
+            splits: int, first_tile: int):
     bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
     narrow = cfg.narrow_block
     # Rows of q/k/v/out: the kernel's frame (its bounds, tables and masks) starts at row_offset.
@@ -79,8 +79,10 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     split = lax.axis_index("splits") if splits > 1 else 0
     if splits > 1:   # this CTA's share of the walk and its own partial output
         out_ref, lse_ref = out_ref.at[split], lse_ref.at[split]
-    if cfg.heavy_first:
+    if cfg.heavy_first:     # the last row blocks (the longest walks) first
         tile = cta_ref.shape[1] - 1 - tile
+    else:                   # row blocks [first_tile, ...) only
+        tile = tile + first_tile
     use_sched = wgs == 2 and cfg.schedule_barrier
     as_tile, as_rows = _layouts(interpreted)
 
@@ -295,7 +297,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
 
 
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
-            interpret=None, row_offset: int = 0, slot_rows=None, key_splits: int = 1):
+            interpret=None, row_offset: int = 0, slot_rows=None, key_splits: int = 1,
+            first_tile: int = 0):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
     `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
     `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
@@ -312,9 +315,12 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     walking about 1/S of its steps, for calls with too few row blocks to fill the GPU (a
     prefill chunk of a few hundred tokens against 128K of context); out and log2-sum-exp
     then come per split, `[S, ...]`, each normalized over its own keys (`merge_key_splits`
-    combines them)."""
+    combines them). `first_tile`: only row blocks `[first_tile, Lp / cta_rows)` run; the
+    rows of the blocks before are left unwritten (a prefill chunk's ring rows in front)."""
     b, _, hq, d = q.shape
     lp = bounds.shape[-1]
+    if not 0 <= first_tile < lp // cfg.cta_rows:
+        raise ValueError(f"first_tile must be in [0, {lp // cfg.cta_rows}), got {first_tile}.")
     if key_splits < 1 or (key_splits > 1 and cfg.narrow_block):
         raise ValueError(f"key_splits must be >= 1, and 1 with a narrow head "
                          f"(narrow_block={cfg.narrow_block}); got {key_splits}.")
@@ -353,13 +359,13 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
                     plgpu.Barrier(num_barriers=2))                 # K, V head landed
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
                                interpreted=interpret is not None, row_offset=row_offset,
-                               splits=key_splits)
+                               splits=key_splits, first_tile=first_tile)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((*split_axis, *q.shape), q.dtype),
                   jax.ShapeDtypeStruct((*split_axis, b, hq, lp), jnp.float32)),
         scratch_types=scratch,
-        grid=(hq, lp // cfg.cta_rows, b, *split_axis),
+        grid=(hq, lp // cfg.cta_rows - first_tile, b, *split_axis),
         grid_names=("heads", "q_tiles", "batch", *(("splits",) if split_axis else ())),
         kernel_name="cca_forward",   # profiles tell the four kernels apart by name
         num_threads=wgs + 1,
