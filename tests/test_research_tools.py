@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.research import serve_step_probe, sinks_cost, sinks_pooling
+from benchmarks.research import chunk_attention, serve_step_probe, sinks_cost, sinks_pooling
 
 
 def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
@@ -85,3 +85,15 @@ def test_largest_gaps_name_the_kernels_around_each_idle_stretch():
     assert gaps["total_ms"] == 0.902     # overlapping launches (negative gaps) add nothing
     assert gaps["longest"] == [dict(us=900.0, after="c", before="d"),
                                dict(us=2.0, after="a", before="b")]
+
+
+@pytest.mark.slow   # about 3 min: the Mosaic kernels in the GPU interpreter, 12 calls
+def test_chunk_attention_reads_in_place_what_the_sliced_path_reads(tmp_path):
+    out = tmp_path / "chunk"
+    assert chunk_attention.main(["--small", "--splits", "1", "--rounds", "1",
+                                 "--out", str(out)]) == 0
+    records = {r["variant"]: r for r in json.loads((tmp_path / "chunk.json").read_text())}
+    assert set(records) == {"sliced", "in_place_s1", "default"}
+    assert records["in_place_s1"]["row_error_vs_sliced"] == 0.0      # the same kernel's walk
+    assert records["default"]["key_splits"] == 4                     # 2 heads x 1 row block
+    assert 0 < records["default"]["row_error_vs_sliced"] < 6e-3      # bfloat16 partials
