@@ -11,6 +11,7 @@ from pallas_kernels.mosaic_gpu.config import (HEAD_DIMS, MosaicBackwardConfig, M
 from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu
 from pallas_kernels.mosaic_gpu.tables import visit_tables
 
-__all__ = ["blocked_attention_in_cache_mosaic_gpu", "blocked_attention_mosaic_gpu", "decode_attention_mosaic_gpu", "mosaic_core_attention", "padded_head_dim",
+__all__ = ["blocked_attention_in_cache_mosaic_gpu", "blocked_attention_mosaic_gpu",
+           "decode_attention_mosaic_gpu", "mosaic_core_attention", "padded_head_dim",
            "MosaicBackwardConfig", "MosaicConfig", "check_config", "mosaic_backward_config",
            "mosaic_config", "shared_memory_bytes", "HEAD_DIMS", "visit_tables"]

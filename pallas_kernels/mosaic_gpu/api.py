@@ -186,8 +186,8 @@ def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, ca
                                           core_lo, core_hi, *, first_row: int = 0,
                                           key_splits: int = 1, interpret=None, **tiling):
     """`blocked_attention_mosaic_gpu`'s forward with the slots read in place from a KV cache:
-    ck_cache, cv_cache `[layers, rows, C, Hq, D]` (C a positive multiple of 8), and q's row b sees the slots
-    `ck_cache[layer, cache_rows[b]]` (layer: int scalar, traced or not; cache_rows: int
+    ck_cache, cv_cache `[layers, rows, C, Hq, D]` (C a positive multiple of 8), and q's row b
+    sees the slots `ck_cache[layer, cache_rows[b]]` (layer: int scalar, traced or not; cache_rows: int
     `[B]`). Slicing a layer's slots out of the stacked cache and padding them to whole key
     blocks, which the other entry needs, copies both slot arrays: 0.1 ms a layer in the
     serving chunk of the 7B shape at 128K (H100). Inference only (no gradient); head dims 64,
