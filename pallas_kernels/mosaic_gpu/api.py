@@ -187,16 +187,17 @@ def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, ca
                                           key_splits: int = 1, interpret=None, **tiling):
     """`blocked_attention_mosaic_gpu`'s forward with the slots read in place from a KV cache:
     ck_cache, cv_cache `[layers, rows, C, Hq, D]` (C a positive multiple of 8), and q's row b
-    sees the slots `ck_cache[layer, cache_rows[b]]` (layer: int scalar, traced or not; cache_rows: int
-    `[B]`). Slicing a layer's slots out of the stacked cache and padding them to whole key
-    blocks, which the other entry needs, copies both slot arrays: 0.1 ms a layer in the
-    serving chunk of the 7B shape at 128K (H100). Inference only (no gradient); head dims 64,
-    128 and 256 (the others would need the slots padded: slice them and use
+    sees the slots `ck_cache[layer, cache_rows[b]]` (layer: int scalar, traced or not;
+    cache_rows: int `[B]`). Slicing a layer's slots out of the stacked cache and padding them
+    to whole key blocks, which the other entry needs, copies both slot arrays: 0.1 ms a layer
+    in the serving chunk of the 7B shape at 128K (H100). Inference only (no gradient); head
+    dims 64, 128 and 256 (the others would need the slots padded: slice them and use
     `blocked_attention_mosaic_gpu`). Returns rows `[first_row, L)` only, `[B, L - first_row,
-    Hq, D]` (a prefill chunk's rows after the ring's). `key_splits` S: each row block's keys
-    walked by S CTAs and their partial softmaxes merged (`forward.merge_key_splits`), for a
-    chunk of a few hundred rows, whose row blocks alone leave most of the GPU idle. Other
-    arguments as there, without lead rows."""
+    Hq, D]` (a prefill chunk's rows after the ring's; the row blocks before first_row's are
+    not run). `key_splits` S: each row block's keys walked by S CTAs and their partial
+    softmaxes merged (`forward.merge_key_splits`), for a chunk of a few hundred rows, whose
+    row blocks alone leave most of the GPU idle. Other arguments as there, without lead
+    rows."""
     if isinstance(key_splits, bool) or not isinstance(key_splits, int) or key_splits < 1:
         raise ValueError(f"key_splits must be a positive int, got {key_splits!r}.")
     if not 0 <= first_row < q.shape[1]:
