@@ -237,6 +237,17 @@ def test_in_cache_forward_lowers_for_cuda_reading_the_stacked_slots_in_place():
     assert "cca_forward" in split and "tensor<2x2x128x2x64xbf16>" in split
 
 
+def test_the_backend_reads_in_place_only_the_caches_the_kernel_takes():
+    """bfloat16/float16, native head dims, whole tiles of 8 slots: else prefill slices."""
+    from cca_jax.attention.pallas_mosaic_gpu import MOSAIC_GPU
+    takes = MOSAIC_GPU.reads_slots_in_cache
+    assert takes(jnp.bfloat16, 128, 8128) and takes(jnp.float16, 64, 8)
+    assert not takes(jnp.float32, 128, 8128)      # the kernels' dtypes only
+    assert not takes(jnp.bfloat16, 80, 8128)      # would need the slots padded to 128
+    assert not takes(jnp.bfloat16, 128, 8132)     # not whole shared-memory tiles
+    assert not takes(jnp.bfloat16, 128, 0)        # no slots (full, sliding)
+
+
 def test_in_cache_forward_input_errors():
     q, k, v, ck_cache, cv_cache, bounds = _in_cache_inputs(layers=2, rows=3, m=40)
     rows = jnp.array([0, 2])

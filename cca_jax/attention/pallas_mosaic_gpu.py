@@ -224,11 +224,8 @@ class MosaicGpuBackend(Backend):
                                             backward_tiling={"narrow_block": 0})
 
     def reads_slots_in_cache(self, dtype, head_dim: int, slots: int) -> bool:
-        from pallas_kernels.mosaic_gpu import padded_head_dim
-        from pallas_kernels.mosaic_gpu.api import IN_CACHE_SLOT_MULTIPLE
-        return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-                and padded_head_dim(head_dim) == head_dim and slots >= 1
-                and slots % IN_CACHE_SLOT_MULTIPLE == 0)
+        from pallas_kernels.mosaic_gpu.api import reads_slots_in_cache
+        return reads_slots_in_cache(dtype, head_dim, slots)
 
     def _blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
                           core_lo, core_hi, blocking, window, first_row):

@@ -182,6 +182,13 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     return out[..., :d]
 
 
+def reads_slots_in_cache(dtype, head_dim: int, slots: int) -> bool:
+    """Whether `blocked_attention_in_cache_mosaic_gpu` takes a cache of this slot dtype,
+    head dim and slot count (where not, it says why)."""
+    return (jnp.dtype(dtype) in _DTYPES and padded_head_dim(head_dim) == head_dim
+            and slots >= 1 and slots % IN_CACHE_SLOT_MULTIPLE == 0)
+
+
 def blocked_attention_in_cache_mosaic_gpu(q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
                                           core_lo, core_hi, *, first_row: int = 0,
                                           key_splits: int = 1, interpret=None, **tiling):
