@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cca_jax.blocks import parse_option
 
@@ -89,6 +90,15 @@ def rel_l2(a, b) -> float:
     """|a - b| / |b| in float32 (L2 norms)."""
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def row_error(got, want) -> float:
+    """The largest over rows (the last axis: one position and head) of `max |got - want|`
+    relative to the row's L2 norm, in float64: one wrong row does not hide among right ones
+    as it does in `rel_l2`."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    norm = np.maximum(np.linalg.norm(want, axis=-1), 1e-30)
+    return float(np.max(np.abs(got - want).max(-1) / norm))
 
 
 def read_records(paths) -> list:

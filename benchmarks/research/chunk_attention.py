@@ -28,11 +28,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import round_robin, stamp, table_heading, write_results  # noqa: E402
+from benchmarks.measure import (round_robin, row_error, stamp,  # noqa: E402
+                                table_heading, write_results)
 from cca_jax import blocks  # noqa: E402
 from cca_jax.blocks import ring_size  # noqa: E402
 from cca_jax.attention.pallas_mosaic_gpu import (gpu_core_count,  # noqa: E402
@@ -79,12 +79,6 @@ def variants(front: int, splits, default_splits: int, interpret, tiling: dict) -
     fns.update({f"in_place_s{s}": in_place(s) for s in splits})
     fns["default"] = in_place(default_splits)
     return {name: jax.jit(fn) for name, fn in fns.items()}
-
-
-def row_error(got, want) -> float:
-    got, want = (np.asarray(x, np.float64) for x in (got, want))
-    norm = np.linalg.norm(want, axis=-1)
-    return float((np.abs(got - want).max(-1) / np.maximum(norm, 1e-30)).max())
 
 
 def table(records) -> str:

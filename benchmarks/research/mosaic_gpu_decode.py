@@ -32,7 +32,7 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
-from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from benchmarks.measure import round_robin, row_error, stamp, write_results  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 
 DTYPE = jnp.bfloat16
@@ -101,11 +101,6 @@ def chained(attend, layers: int):
     return jax.jit(run)
 
 
-def _row_error(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(out - ref).max(-1) / np.linalg.norm(ref, axis=-1)))
-
-
 def run_case(args, base: dict, kernels: dict, batch: int, hkv: int) -> list:
     pattern = blocks.CCA(args.g, args.s)
     ring, slots = blocks.ring_size(pattern, args.max_len), pattern.max_slots(args.max_len)
@@ -143,7 +138,7 @@ def run_case(args, base: dict, kernels: dict, batch: int, hkv: int) -> list:
             rec["gbps_visible"] = visible / (rec["ms_per_layer"] * 1e-3) / 1e9
             if not name.startswith("mosaic_gpu/kernel") and name != "triton" \
                     and "triton" in outputs:
-                rec["row_error_vs_triton"] = _row_error(outputs[name], outputs["triton"])
+                rec["row_error_vs_triton"] = row_error(outputs[name], outputs["triton"])
     del cache, inputs, calls
     return records
 
