@@ -6,7 +6,8 @@
 LLaMA-2-7B's decode step at 128K of context: Hq = 32, D = 128 (`--d`), bf16, CCA g = 16, s = 1024
 (ring R = s + g = 1040), slots C = 131072 / 16 = 8192, the cache stacked over --layers (32)
 layers and read in place at `layer=i`. Rows of a batch sit at positions
-`context - 1 - 37 * row` (every row sees ~8128 slots and the whole window).
+`context - 1 - 37 * row` (every row sees ~8128 slots and the whole window); with `--active N`
+rows N.. attend at position 0, as `decode_step` runs a batch's inactive (idle) rows.
 Timing models the decode step's layer scan: one jit calls the attention for every layer in
 turn, each call's query taking the previous output (no call can be skipped or overlapped);
 all programs are compiled first, then timed round-robin (one jit of each per round; median
@@ -101,18 +102,18 @@ def chained(attend, layers: int):
     return jax.jit(run)
 
 
-def run_case(args, base: dict, kernels: dict, batch: int, hkv: int) -> list:
+def run_case(args, base: dict, kernels: dict, batch: int, hkv: int, active: int) -> list:
     pattern = blocks.CCA(args.g, args.s)
     ring, slots = blocks.ring_size(pattern, args.max_len), pattern.max_slots(args.max_len)
     key = jax.random.PRNGKey(batch * 1000 + hkv)
     cache = make_cache(key, args.layers, batch, args.hq, hkv, ring, slots, args.d)
     q = jax.random.normal(jax.random.fold_in(key, 7), (batch, args.hq, args.d), DTYPE)
-    t = args.context - 1 - 37 * np.arange(batch)
+    t = np.where(np.arange(batch) < active, args.context - 1 - 37 * np.arange(batch), 0)
     bounds = blocks.decode_bounds(pattern, jnp.asarray(t, jnp.int32), ring, slots)
     visible = 2 * args.d * 2 * (int(np.sum(np.asarray(bounds.ring_count))) * hkv
                            + int(np.sum(np.asarray(bounds.num_slots))) * args.hq)
     inputs = (q, *cache, bounds)
-    case = dict(base, batch=batch, q_heads=args.hq, kv_heads=hkv, head_dim=args.d, dtype="bfloat16",
+    case = dict(base, batch=batch, active=active, q_heads=args.hq, kv_heads=hkv, head_dim=args.d, dtype="bfloat16",
                 context=args.context, max_len=args.max_len, ring=ring, slots=slots,
                 layers=args.layers, visible_bytes_per_layer=visible)
     records, calls, outputs = [], {}, {}
@@ -156,6 +157,9 @@ def main(argv=None):
     ap.add_argument("--g", type=int, default=16)
     ap.add_argument("--s", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--active", default=None,
+                    help="comma-separated counts of rows at the context (the rest idle, at "
+                         "position 0 as in the serving decode step); default: every row")
     ap.add_argument("--mosaic-tilings", default="[{}]",
                     help='JSON list of MosaicDecodeConfig overrides, each timed, e.g. '
                          '\'[{}, {"block": 64, "stages": 4}, {"stages": 3}, {"splits": 8}]\'')
@@ -167,26 +171,29 @@ def main(argv=None):
     base = stamp(argv)
     records = []
     for batch in map(int, args.batch.split(",")):
+        actives = [batch] if args.active is None else \
+            [min(int(a), batch) for a in args.active.split(",")]
         for hkv in map(int, args.hkv.split(",")):
-            records += run_case(args, base, kernels, batch, hkv)
-            _write(args, base, records)   # after every case: a time limit keeps the rest
+            for active in actives:
+                records += run_case(args, base, kernels, batch, hkv, active)
+                _write(args, base, records)   # after every case: a time limit keeps the rest
 
 
 def _write(args, base: dict, records: list) -> None:
-    rows = ["| B | Hkv | kernel | ms / layer | GB/s visible | x Triton | row error vs Triton |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
-    triton = {(r["batch"], r["kv_heads"]): r.get("ms_per_layer") for r in records
+    rows = ["| B | active | Hkv | kernel | ms / layer | GB/s visible | x Triton | "
+            "row error vs Triton |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    triton = {(r["batch"], r["active"], r["kv_heads"]): r.get("ms_per_layer") for r in records
               if r["kernel"] == "triton"}
     for r in records:
         if "ms_per_layer" in r:
-            ref = triton.get((r["batch"], r["kv_heads"]))
+            ref = triton.get((r["batch"], r["active"], r["kv_heads"]))
             speed = f"{ref / r['ms_per_layer']:.2f}" if ref else ""
             err = r.get("row_error_vs_triton")
-            rows.append(f"| {r['batch']} | {r['kv_heads']} | {r['kernel']} | "
+            rows.append(f"| {r['batch']} | {r['active']} | {r['kv_heads']} | {r['kernel']} | "
                         f"{r['ms_per_layer']:.4f} | {r['gbps_visible']:.0f} | {speed} | "
                         f"{'' if err is None else f'{err:.1e}'} |")
         else:
-            rows.append(f"| {r['batch']} | {r['kv_heads']} | {r['kernel']} | error | | | "
+            rows.append(f"| {r['batch']} | {r['active']} | {r['kv_heads']} | {r['kernel']} | error | | | "
                         f"{r.get('error', '')[:80]} |")
     header = (f"Mosaic GPU vs Triton decode attention per layer call (7B: Hq = {args.hq}, D = {args.d}, "
               f"bf16, R = {records[0]['ring']}, C = {records[0]['slots']}, context "
