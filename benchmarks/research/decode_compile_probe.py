@@ -23,6 +23,8 @@ Variants:
   scan           base with the layers scanned (`unroll_layers=False`): one compiled layer
   scan_dsf       scan, with XLA's dynamic-slice fusion on (cuBLAS reading each layer's
                  weights in place out of the stack instead of a copy, where XLA can)
+  scan_cublas    scan with the matmuls on cuBLAS (xla_gpu_enable_triton_gemm off)
+  scan_dsf_cublas  both: the fusion folds slices into cuBLAS calls, not Triton fusions
 A variant that fails to compile prints its error and the probe goes on.
 """
 
@@ -53,6 +55,14 @@ VARIANTS = {
     "scan": dict(pool_slots=True, unroll_layers=False),
     "scan_dsf": dict(pool_slots=True, unroll_layers=False,
                      options={"xla_gpu_enable_dynamic_slice_fusion": True}),
+    # the matmuls on cuBLAS instead of XLA's Triton GEMM fusions: dynamic-slice fusion folds a
+    # layer's slice of the stacked weights into a cuBLAS call's operand address, not into a
+    # Triton fusion (does the scan then read the weights in place?)
+    "scan_cublas": dict(pool_slots=True, unroll_layers=False,
+                        options={"xla_gpu_enable_triton_gemm": False}),
+    "scan_dsf_cublas": dict(pool_slots=True, unroll_layers=False,
+                            options={"xla_gpu_enable_dynamic_slice_fusion": True,
+                                     "xla_gpu_enable_triton_gemm": False}),
 }
 
 
