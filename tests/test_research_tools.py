@@ -24,6 +24,7 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
     for r in records:       # the donated cache is updated in place: all its bytes aliased
         assert r["memory"]["alias_bytes"] >= cache > 0, (r["memory"], cache)
         assert r["memory"]["remat_ops"] == 0
+        assert r["memory"]["compile_s"] > 0
         assert set(r["kernels"]["gaps"]) == {"total_ms", "longest"}   # (no GPU kernels here)
     assert sorted(p.name for p in hlo.iterdir()) == ["32_chunk_8.hlo.gz", "32_decode_1.hlo.gz"]
 

@@ -21,7 +21,7 @@ the cache shows there). `--profile DIR`: one more call of each under the profile
 40 longest kernels (`profile_inference.kernel_table`) and where the GPU sat idle between
 kernels (`gaps`: the sum, the 12 longest) in the record; `--hlo DIR`: each
 program's optimized HLO; `--variants`: each program compiled once per named XLA option set
-(`VARIANTS`: e.g. without GPU command buffers) and timed in the same round-robin. Writes
+(`VARIANTS`: e.g. without GPU command buffers, or GEMM autotuning) and timed in the same round-robin. Writes
 `<out>.json` (one record per program and context, stamped) and `<out>.md`.
 """
 
@@ -32,6 +32,7 @@ import dataclasses
 import gzip
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -65,18 +66,20 @@ class Program:
         """Compiles; returns the program's memory in bytes (XLA's temporaries, arguments,
         outputs, and the output bytes that alias an argument: the donated cache)."""
         args, kwargs = self.args(self._cache())
+        start = time.perf_counter()
         self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile(
             self.options)
+        compile_s = round(time.perf_counter() - start, 1)   # trace, lower and XLA's compile
         self._hlo = self.compiled.as_text()   # read twice (recomputed ops, --hlo): megabytes
         m = self.compiled.memory_analysis()
         # XLA's rematerialization (a pass that recomputes values, the gemms included, when it
         # thinks the program exceeds the card's memory) names what it recomputed `*_remat*`
         remat = sum(1 for line in self.hlo_text().splitlines()
                     if "_remat" in line.split("=")[0])
-        return dict(remat_ops=remat) if m is None else dict(
+        return dict(remat_ops=remat, compile_s=compile_s) if m is None else dict(
             temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
             output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
-            remat_ops=remat)
+            remat_ops=remat, compile_s=compile_s)
 
     def hlo_text(self) -> str:
         return self._hlo
@@ -94,8 +97,11 @@ class Program:
 
 
 # XLA option sets a program can be compiled with besides its own (`--variants`): GPU command
-# buffers (CUDA graphs) record a program's kernels and replay them, updated when its buffers move
-VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""}}
+# buffers (CUDA graphs) record a program's kernels and replay them, updated when its buffers
+# move; XLA's GEMM autotuning off (each unrolled layer's matmuls read their weights at their
+# own offsets: is every layer's GEMM fusion autotuned anew, the slow part of the compile?)
+VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
+            "no_autotune": {"xla_gpu_autotune_level": 0}}
 
 
 def programs(model, holder: dict, batch: int, context: int, chunks, actives,
@@ -157,9 +163,9 @@ def table(records) -> str:
     lines = table_heading(
         f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
         f"{first['layers']} layers, {first['max_batch']} rows x {first['max_len']})", first) + [
-        "| context | program | XLA options | ms | tokens | kernel ms (profiled) "
+        "| context | program | XLA options | compile s | ms | tokens | kernel ms (profiled) "
         "| GPU idle ms (profiled) | temp MiB | aliased MiB | recomputed ops |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
         idle = r.get("kernels", {}).get("gaps", {}).get("total_ms")
@@ -167,7 +173,7 @@ def table(records) -> str:
         mib = lambda key: f"{mem[key] / 2**20:.1f}" if key in mem else ""  # noqa: E731
         ms = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
         lines.append(f"| {r['context']} | {r['program']} | {r.get('variant', 'default')} | "
-                     f"{r['ms']:.2f} | {r['tokens']} | "
+                     f"{mem.get('compile_s', '')} | {r['ms']:.2f} | {r['tokens']} | "
                      f"{ms(kernels)} | {ms(idle)} | {mib('temp_bytes')} | "
                      f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} |")
     for r in records:   # profiled: what kind of work the kernel time is
