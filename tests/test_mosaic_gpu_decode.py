@@ -25,7 +25,8 @@ from cca_jax import blocks
 from cca_jax.blocks import DecodeBounds
 from pallas_kernels.mosaic_gpu.decode import (SMEM_LIMIT_BYTES, MosaicDecodeConfig,
                                               decode_attention_mosaic_gpu, decode_config,
-                                              decode_refusal, shared_memory_bytes)
+                                              decode_refusal, resolve_splits,
+                                              shared_memory_bytes)
 
 S = jax.ShapeDtypeStruct
 
@@ -340,6 +341,27 @@ def test_a_cache_of_whole_slot_tiles_is_read_in_place():
 
 
 # ---- CPU: configuration and argument errors ---------------------------------------------
+
+@pytest.mark.parametrize("batch, kv_heads, slots_at_once, expected", [
+    (8, 32, 132, 2),     # 256 programs: 1 split and 2 both take 2 waves; 2 for idle rows
+    (16, 32, 132, 2),
+    (1, 32, 132, 4),     # 32 programs: 4 splits fill one wave
+    (1, 8, 132, 16),
+    (64, 32, 132, 1),    # 2048 programs: one split a row is all the cap allows
+])
+def test_splits_fill_the_gpu_and_leave_busy_rows_two_at_least(batch, kv_heads, slots_at_once,
+                                                              expected):
+    """The 7B cache at 128K (R 1040, C 8128): whole waves of programs, at least 2 splits
+    where a row's steps allow it, the config's own count when it sets one."""
+    cfg = decode_config(groups=32 // kv_heads)
+    assert resolve_splits(cfg, batch, kv_heads, 1040, 8128, 32 // kv_heads,
+                          slots_at_once) == expected
+    fixed = decode_config(groups=32 // kv_heads, splits=1)
+    assert resolve_splits(fixed, batch, kv_heads, 1040, 8128, 32 // kv_heads,
+                          slots_at_once) == 1
+    tiny = decode_config(groups=32 // kv_heads)   # a cache of one step a row: one split
+    assert resolve_splits(tiny, batch, kv_heads, 0, 0, 32 // kv_heads, slots_at_once) == 1
+
 
 def test_config_defaults_fit_shared_memory():
     cfg = decode_config()

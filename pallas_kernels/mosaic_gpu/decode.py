@@ -183,7 +183,11 @@ def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int
                    num_slots: int, groups: int, slots_at_once: int) -> int:
     """The config's splits, or the smallest count whose waves of equal programs fill the
     GPU within 5% of the best (`slots_at_once` programs run together; a program per
-    (row, KV head) is `batch * kv_heads`), at most the steps of a full row."""
+    (row, KV head) is `batch * kv_heads`), at most the steps of a full row; at least 2
+    where a row has 2 steps (2 never take more waves than 1): a batch with idle rows (a
+    server's decode step) then runs each busy row over twice the SMs (H100, 7B, 8 rows x
+    128K: one busy row 0.123 ms a layer with 1 split, 0.087 with 2; all 8 busy 0.414
+    either way; benchmarks/results/research/mosaic_gpu_decode_idle_rows_h100_b60e6cb.md)."""
     if cfg.splits is not None:
         return cfg.splits
     steps = -(-ring // cfg.block) + 1 + -(-num_slots // (cfg.block // lanes(groups)))
@@ -191,7 +195,7 @@ def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int
     top = max(1, min(steps, -(-8 * slots_at_once // programs)))
     cost = {s: -(-programs * s // slots_at_once) / s for s in range(1, top + 1)}
     best = min(cost.values())
-    return min(s for s, c in cost.items() if c <= 1.05 * best)
+    return max(min(s for s, c in cost.items() if c <= 1.05 * best), min(2, top))
 
 
 def _layouts(interpreted: bool):
