@@ -98,3 +98,30 @@ def test_chunk_attention_reads_in_place_what_the_sliced_path_reads(tmp_path):
     assert records["in_place_s1"]["row_error_vs_sliced"] == 0.0      # the same kernel's walk
     assert records["default"]["key_splits"] == 4                     # 2 heads x 1 row block
     assert 0 < records["default"]["row_error_vs_sliced"] < 6e-3      # bfloat16 partials
+
+
+def test_autotune_dedup_probe_counts_distinct_gemm_fusions(tmp_path):
+    from benchmarks.research import autotune_dedup_probe as probe
+    hlo = "\n".join([
+        "%gemm_fusion_dot.1_computation (p0: bf16[8,64], p1: bf16[4,64,64]) -> f32[8,64] {",
+        "  %parameter_1 = bf16[4,64,64]{2,1,0} parameter(1), metadata={op_name=\"a\"}",
+        "  %slice.7 = bf16[1,64,64]{2,1,0} slice(%parameter_1), slice={[0:1], [0:64], [0:64]}",
+        "}",
+        "%gemm_fusion_dot.2_computation (p0: bf16[8,64], p1: bf16[4,64,64]) -> f32[8,64] {",
+        "  %parameter_1.1 = bf16[4,64,64]{2,1,0} parameter(1), metadata={op_name=\"b\"}",
+        "  %slice.9 = bf16[1,64,64]{2,1,0} slice(%parameter_1.1), slice={[1:2], [0:64], [0:64]}",
+        "}",
+        "%gemm_fusion_dot.3_computation (p0: bf16[8,64], p1: bf16[4,64,64]) -> f32[8,64] {",
+        "  %parameter_1.2 = bf16[4,64,64]{2,1,0} parameter(1), metadata={op_name=\"c\"}",
+        "  %slice.11 = bf16[1,64,64]{2,1,0} slice(%parameter_1.2), slice={[1:2], [0:64], [0:64]}",
+        "}",
+        "%fusion.4 (p0: f32[8]) -> f32[8] {",
+        "  %x = f32[8]{0} parameter(0)",
+        "}"])
+    assert probe.gemm_fusions(hlo) == (3, 2)   # layer 1's slice twice: one distinct body
+    out = tmp_path / "adp"
+    assert probe.main(["--layers", "2", "--hidden", "32", "--inner", "64", "--rows", "4",
+                       "--out", str(out)]) == 0
+    records = json.loads((tmp_path / "adp.json").read_text())
+    assert [r["way"] for r in records] == list(probe.WAYS)
+    assert all(r["compile_s"] > 0 and r["ms"] > 0 for r in records)
