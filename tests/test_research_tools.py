@@ -125,3 +125,4 @@ def test_autotune_dedup_probe_counts_distinct_gemm_fusions(tmp_path):
     records = json.loads((tmp_path / "adp.json").read_text())
     assert [r["way"] for r in records] == list(probe.WAYS)
     assert all(r["compile_s"] > 0 and r["ms"] > 0 for r in records)
+    assert [r["max_abs_diff_vs_first"] for r in records] == [0.0] * len(records)   # one math

@@ -13,6 +13,8 @@ decoder's matmuls, no attention) for `--rows` tokens, its weights held four ways
   restacked    per_layer's arrays stacked inside the program, then sliced statically
                (does XLA fold slice(concatenate) back to the argument, with no copy?)
   no_autotune  stacked, with `xla_gpu_autotune_level=0`
+  autotune_1   stacked, with `xla_gpu_autotune_level=1` (tuned, without the checks of the
+               candidates' results that the default level 4 adds)
 
 and prints/writes for each: seconds to compile, the median ms of a call, the GEMM fusions in
 the optimized program and how many of them are distinct once parameter names are dropped,
@@ -30,13 +32,15 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*
 from benchmarks.measure import median_ms, stamp, table_heading, write_results  # noqa: E402
 
 WEIGHTS = ("qkv", "o", "gate", "up", "down")
-WAYS = ("stacked", "per_layer", "restacked", "no_autotune")
+WAYS = ("stacked", "per_layer", "restacked", "no_autotune", "autotune_1")
+AUTOTUNE_LEVEL = {"no_autotune": 0, "autotune_1": 1}
 
 
 def weight_shapes(hidden: int, inner: int) -> dict:
@@ -91,21 +95,23 @@ def probe(way: str, args, key) -> dict:
     per_layer = [{k: (0.02 * jax.random.normal(next(keys), s)).astype(jnp.bfloat16)
                   for k, s in shapes.items()} for _ in range(args.layers)]
     x = jax.random.normal(next(keys), (args.rows, args.hidden)).astype(jnp.bfloat16)
-    if way in ("stacked", "no_autotune"):
+    if way not in ("per_layer", "restacked"):
         weights = {k: jnp.stack([w[k] for w in per_layer]) for k in shapes}
         del per_layer
         fn = jax.jit(lambda x, w: stacked_stack(x, w, args.layers))
     else:
         weights = per_layer
         fn = jax.jit(per_layer_stack if way == "per_layer" else restacked_stack)
-    options = {"xla_gpu_autotune_level": 0} if way == "no_autotune" else None
+    options = {"xla_gpu_autotune_level": AUTOTUNE_LEVEL[way]} if way in AUTOTUNE_LEVEL \
+        else None
     start = time.perf_counter()
     compiled = fn.lower(x, weights).compile(options)
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     fusions, distinct = gemm_fusions(compiled.as_text())
     ms = median_ms(compiled, (x, weights))
-    return dict(way=way, rows=args.rows, layers=args.layers, hidden=args.hidden,
+    out = np.asarray(compiled(x, weights), np.float32)
+    return out, dict(way=way, rows=args.rows, layers=args.layers, hidden=args.hidden,
                 inner=args.inner, compile_s=round(compile_s, 2), ms=round(ms, 4),
                 gemm_fusions=fusions, distinct_gemm_fusions=distinct,
                 temp_bytes=None if memory is None else int(memory.temp_size_in_bytes))
@@ -114,12 +120,13 @@ def probe(way: str, args, key) -> dict:
 def table(records: list) -> str:
     lines = table_heading("GEMM autotuning and the layers' weights: stacked or one array a "
                           "layer", records[0]) + [
-        "| rows | way | compile s | ms | GEMM fusions (distinct) | temp MiB |",
-        "| --- | --- | --- | --- | --- | --- |"]
+        "| rows | way | compile s | ms | GEMM fusions (distinct) | temp MiB | max abs diff "
+        "vs the first way |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         temp = "" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
         lines.append(f"| {r['rows']} | {r['way']} | {r['compile_s']} | {r['ms']:.3f} | "
-                     f"{r['gemm_fusions']} ({r['distinct_gemm_fusions']}) | {temp} |")
+                     f"{r['gemm_fusions']} ({r['distinct_gemm_fusions']}) | {temp} | "
+                     f"{r['max_abs_diff_vs_first']:.2e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -138,9 +145,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ways: unknown {unknown}; choose from {list(WAYS)}")
     base, records = stamp(argv), []
     for rows in map(int, args.rows.split(",")):
+        first = None
         for way in ways:
-            record = dict(base, **probe(way, argparse.Namespace(**{**vars(args), "rows": rows}),
-                                        jax.random.PRNGKey(rows)))
+            out, record = probe(way, argparse.Namespace(**{**vars(args), "rows": rows}),
+                                jax.random.PRNGKey(rows))
+            first = out if first is None else first   # the same weights and input each way
+            record = dict(base, **record,
+                          max_abs_diff_vs_first=float(np.max(np.abs(out - first))))
             print(record, flush=True)
             records.append(record)
             write_results(args.out, records, table(records))   # a time limit keeps the rest
