@@ -38,7 +38,6 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*
 from benchmarks.measure import median_ms, stamp, table_heading, write_results  # noqa: E402
 
-WEIGHTS = ("qkv", "o", "gate", "up", "down")
 WAYS = ("stacked", "per_layer", "restacked", "no_autotune", "autotune_1")
 AUTOTUNE_LEVEL = {"no_autotune": 0, "autotune_1": 1}
 
@@ -89,7 +88,8 @@ def gemm_fusions(hlo: str) -> tuple[int, int]:
     return len(bodies), len(set(bodies))
 
 
-def probe(way: str, args, key) -> dict:
+def probe(way: str, args, key) -> tuple[np.ndarray, dict]:
+    """(the stack's output as float32, the record) for one way of holding the weights."""
     shapes = weight_shapes(args.hidden, args.inner)
     keys = iter(jax.random.split(key, args.layers * len(shapes) + 1))
     per_layer = [{k: (0.02 * jax.random.normal(next(keys), s)).astype(jnp.bfloat16)
@@ -112,9 +112,9 @@ def probe(way: str, args, key) -> dict:
     ms = median_ms(compiled, (x, weights))
     out = np.asarray(compiled(x, weights), np.float32)
     return out, dict(way=way, rows=args.rows, layers=args.layers, hidden=args.hidden,
-                inner=args.inner, compile_s=round(compile_s, 2), ms=round(ms, 4),
-                gemm_fusions=fusions, distinct_gemm_fusions=distinct,
-                temp_bytes=None if memory is None else int(memory.temp_size_in_bytes))
+                     inner=args.inner, compile_s=round(compile_s, 2), ms=round(ms, 4),
+                     gemm_fusions=fusions, distinct_gemm_fusions=distinct,
+                     temp_bytes=None if memory is None else int(memory.temp_size_in_bytes))
 
 
 def table(records: list) -> str:

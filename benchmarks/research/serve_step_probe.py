@@ -21,8 +21,9 @@ the cache shows there). `--profile DIR`: one more call of each under the profile
 40 longest kernels (`profile_inference.kernel_table`) and where the GPU sat idle between
 kernels (`gaps`: the sum, the 12 longest) in the record; `--hlo DIR`: each
 program's optimized HLO; `--variants`: each program compiled once per named XLA option set
-(`VARIANTS`: e.g. without GPU command buffers, or GEMM autotuning) and timed in the same round-robin. Writes
-`<out>.json` (one record per program and context, stamped) and `<out>.md`.
+(`VARIANTS`: e.g. without GPU command buffers, or GEMM autotuning) and timed in the same
+round-robin; every record has its program's compile seconds. Writes `<out>.json` (one
+record per program and context, stamped) and `<out>.md`.
 """
 
 from __future__ import annotations
