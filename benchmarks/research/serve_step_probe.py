@@ -102,7 +102,8 @@ class Program:
 # move; XLA's GEMM autotuning off (each unrolled layer's matmuls read their weights at their
 # own offsets: is every layer's GEMM fusion autotuned anew, the slow part of the compile?)
 VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
-            "no_autotune": {"xla_gpu_autotune_level": 0}}
+            "no_autotune": {"xla_gpu_autotune_level": 0},
+            "autotune_1": {"xla_gpu_autotune_level": 1}}   # tuned, candidates' results unchecked
 
 
 def programs(model, holder: dict, batch: int, context: int, chunks, actives,
