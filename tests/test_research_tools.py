@@ -126,3 +126,27 @@ def test_autotune_dedup_probe_counts_distinct_gemm_fusions(tmp_path):
     assert [r["way"] for r in records] == list(probe.WAYS)
     assert all(r["compile_s"] > 0 and r["ms"] > 0 for r in records)
     assert [r["max_abs_diff_vs_first"] for r in records] == [0.0] * len(records)   # one math
+
+
+def test_the_device_chains_name_only_variants_the_probes_have():
+    """A chain step that names a variant its probe lacks would stop that probe on the GPU
+    machine, after minutes of device time: caught here instead."""
+    import pathlib
+    import re
+
+    from benchmarks.research import autotune_dedup_probe, decode_compile_probe
+    known = {"decode_compile_probe.py": ("--variants", decode_compile_probe.VARIANTS),
+             "serve_step_probe.py": ("--variants", serve_step_probe.VARIANTS),
+             "autotune_dedup_probe.py": ("--ways", autotune_dedup_probe.WAYS)}
+    chains = sorted((pathlib.Path(__file__).parents[1] / "benchmarks/device_chain")
+                    .glob("steps*.txt"))
+    checked = 0
+    for chain in chains:
+        for line in chain.read_text().splitlines():
+            for script, (flag, names) in known.items():
+                match = re.search(rf"{script} .*{flag} ([\w,]+)", line)
+                if match:
+                    unknown = set(match.group(1).split(",")) - set(names)
+                    assert not unknown, (chain.name, line[:60], unknown)
+                    checked += 1
+    assert checked >= 3

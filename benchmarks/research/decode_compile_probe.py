@@ -14,6 +14,7 @@ Variants:
   base           the decode step as `decode_step` compiles it (pool_slots=True)
   no_pool        the step without pooling (the other program)
   no_autotune    base with XLA's GEMM autotuning off (xla_gpu_autotune_level=0)
+  autotune_1     base tuned without checking the candidates' results (level 1; default 4)
   no_remat       base without XLA's rematerialization pass (xla_disable_hlo_passes): at
                  the 7B shape it counts a serving program's memory at twice what runs and
                  removes nothing (research/h200_2026-12-05c.md); is it the slow part?
@@ -25,6 +26,10 @@ Variants:
                  weights in place out of the stack instead of a copy, where XLA can)
   scan_cublas    scan with the matmuls on cuBLAS (xla_gpu_enable_triton_gemm off)
   scan_dsf_cublas  both: the fusion folds slices into cuBLAS calls, not Triton fusions
+  cublas         base (unrolled) with the matmuls on cuBLAS: one call per layer, alike but
+                 for its operands, so is each tuned once, not per layer?
+  cublas_dsf     cublas with dynamic-slice fusion (the static slices of the stacked weights
+                 folded into the calls' operand addresses, not copied?)
 A variant that fails to compile prints its error and the probe goes on.
 """
 
@@ -49,6 +54,7 @@ VARIANTS = {
     "base": dict(pool_slots=True),
     "no_pool": dict(pool_slots=False),
     "no_autotune": dict(pool_slots=True, options={"xla_gpu_autotune_level": 0}),
+    "autotune_1": dict(pool_slots=True, options={"xla_gpu_autotune_level": 1}),
     "no_remat": dict(pool_slots=True, options={"xla_disable_hlo_passes": "rematerialization"}),
     "remat_on": dict(pool_slots=True, options={"xla_disable_hlo_passes": ""}),
     "xla_attention": dict(pool_slots=True, implementation="xla"),
@@ -63,6 +69,9 @@ VARIANTS = {
     "scan_dsf_cublas": dict(pool_slots=True, unroll_layers=False,
                             options={"xla_gpu_enable_dynamic_slice_fusion": True,
                                      "xla_gpu_enable_triton_gemm": False}),
+    "cublas": dict(pool_slots=True, options={"xla_gpu_enable_triton_gemm": False}),
+    "cublas_dsf": dict(pool_slots=True, options={"xla_gpu_enable_dynamic_slice_fusion": True,
+                                                 "xla_gpu_enable_triton_gemm": False}),
 }
 
 
