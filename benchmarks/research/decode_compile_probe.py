@@ -28,6 +28,10 @@ Variants:
   scan_dsf_cublas  both: the fusion folds slices into cuBLAS calls, not Triton fusions
   cublas         base (unrolled) with the matmuls on cuBLAS: one call per layer, alike but
                  for its operands, so is each tuned once, not per layer?
+  restacked      base with each layer's weights passed as arrays of their own and stacked
+                 again inside the program (`restack`): are the 32 layers' GEMM fusions then
+                 alike (tuned once), and does XLA fold the stack's slices back to the
+                 arguments (no copy: the step as fast as base's)?
   cublas_dsf     cublas with dynamic-slice fusion (the static slices of the stacked weights
                  folded into the calls' operand addresses, not copied?)
 A variant that fails to compile prints its error and the probe goes on.
@@ -69,6 +73,7 @@ VARIANTS = {
     "scan_dsf_cublas": dict(pool_slots=True, unroll_layers=False,
                             options={"xla_gpu_enable_dynamic_slice_fusion": True,
                                      "xla_gpu_enable_triton_gemm": False}),
+    "restacked": dict(pool_slots=True, per_layer_weights=True),
     "cublas": dict(pool_slots=True, options={"xla_gpu_enable_triton_gemm": False}),
     "cublas_dsf": dict(pool_slots=True, options={"xla_gpu_enable_dynamic_slice_fusion": True,
                                                  "xla_gpu_enable_triton_gemm": False}),
@@ -83,18 +88,51 @@ def model_config(shape: str, max_len: int):
                                       window_size=p.window_size, sink_tokens=p.sink_tokens))
 
 
-def step_ms(compiled, real, batch: int, steps: int) -> float:
+def split_layers(state):
+    """(the model state, each layer's weights as arrays of their own: a tuple over the
+    stacked layers' leaves, each a tuple over layers). Works on arrays and on
+    ShapeDtypeStructs."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(state)
+    stacked = [leaf for path, leaf in paths if getattr(path[0], "key", None) == "layers"]
+
+    def one(leaf, i):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+        return leaf[i]
+    return state, tuple(tuple(one(leaf, i) for i in range(leaf.shape[0])) for leaf in stacked)
+
+
+def restack(state, per_layer):
+    """The model state with its stacked layers' leaves rebuilt from `per_layer`
+    (`split_layers`): what a program gets when it is handed one array per layer."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    rebuilt = iter(jnp.stack(layers) for layers in per_layer)
+    return jax.tree_util.tree_unflatten(treedef, [
+        next(rebuilt) if getattr(path[0], "key", None) == "layers" else leaf
+        for path, leaf in paths])
+
+
+def restacked_decode_step(model_state, per_layer, cache, tokens, active, **static):
+    from cca_jax.decode import decode_step_traced
+    graphdef, state = model_state
+    return decode_step_traced((graphdef, restack(state, per_layer)), cache, tokens, active,
+                              **static)
+
+
+def step_ms(compiled, real, batch: int, steps: int, per_layer_weights: bool = False) -> float:
     """Median ms of `steps` decode steps of `compiled` on random weights and a fresh cache
     (`real` = (model_state, config, max_len); every row active from position 0: the step
     is bound by reading the weights, which is what the layer loop's form changes)."""
     from cca_jax.kv_cache import init_cache
     state, cfg, max_len = real
+    lead = split_layers(state[1]) if per_layer_weights else ()
+    lead = ((state[0], lead[0]), lead[1]) if per_layer_weights else (state,)
     cache = init_cache(cfg, batch, max_len)
     tokens, active = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool)
     times = []
     for _ in range(steps + 2):
         start = time.perf_counter()
-        logits, cache = compiled(state, cache, tokens, active)
+        logits, cache = compiled(*lead, cache, tokens, active)
         jax.block_until_ready(logits)
         times.append(1e3 * (time.perf_counter() - start))
     del cache
@@ -120,11 +158,19 @@ def lower(shape: str, batch: int, max_len: int, name: str):
     options = dict(DECODE_COMPILER_OPTIONS, **variant.get("options", {}))
     if jax.default_backend() != "gpu":
         options = {}   # GPU passes' options: other backends reject them
-    step = jax.jit(decode_step_traced, donate_argnames=("cache",),
+    per_layer = variant.get("per_layer_weights", False)
+    step = jax.jit(restacked_decode_step if per_layer else decode_step_traced,
+                   donate_argnames=("cache",),
                    static_argnames=("implementation", "pool_slots", "unroll_layers"),
                    compiler_options=options)
+    if per_layer:
+        graphdef, shapes = state
+        shapes, layers = split_layers(shapes)
+        lead = ((graphdef, shapes), layers)
+    else:
+        lead = (state,)
     start = time.perf_counter()
-    lowered = step.trace(state, cache, tokens, active, implementation=impl,
+    lowered = step.trace(*lead, cache, tokens, active, implementation=impl,
                          pool_slots=variant["pool_slots"],
                          unroll_layers=variant.get("unroll_layers", True)).lower()
     return lowered, time.perf_counter() - start, impl
@@ -136,7 +182,8 @@ def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     text = compiled.as_text() or ""
-    timed = dict(step_ms=step_ms(compiled, real, batch, steps)) if steps else {}
+    per_layer = VARIANTS[name].get("per_layer_weights", False)
+    timed = dict(step_ms=step_ms(compiled, real, batch, steps, per_layer)) if steps else {}
     return dict(variant=name, shape=shape, batch=batch, max_len=max_len, implementation=impl,
                 backend=jax.default_backend(), jax=jax.__version__, **timed,
                 lower_s=round(lowered_s, 2), compile_s=round(compile_s, 2),
