@@ -167,7 +167,7 @@ def test_decode_compile_probe_restacked_step_equals_the_stacked_one():
 
     model = build_model(SMALL, "cca", 2)
     graphdef, state = nnx.split(model)
-    _, per_layer = probe.split_layers(state)
+    per_layer = probe.split_layers(state)
     assert len(per_layer) == len(jax.tree.leaves(state["layers"]))
     assert all(len(layers) == 2 for layers in per_layer)
     rebuilt = probe.restack(state, per_layer)

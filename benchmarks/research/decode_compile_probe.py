@@ -28,12 +28,12 @@ Variants:
   scan_dsf_cublas  both: the fusion folds slices into cuBLAS calls, not Triton fusions
   cublas         base (unrolled) with the matmuls on cuBLAS: one call per layer, alike but
                  for its operands, so is each tuned once, not per layer?
+  cublas_dsf     cublas with dynamic-slice fusion (the static slices of the stacked weights
+                 folded into the calls' operand addresses, not copied?)
   restacked      base with each layer's weights passed as arrays of their own and stacked
                  again inside the program (`restack`): are the 32 layers' GEMM fusions then
                  alike (tuned once), and does XLA fold the stack's slices back to the
                  arguments (no copy: the step as fast as base's)?
-  cublas_dsf     cublas with dynamic-slice fusion (the static slices of the stacked weights
-                 folded into the calls' operand addresses, not copied?)
 A variant that fails to compile prints its error and the probe goes on.
 """
 
@@ -88,18 +88,21 @@ def model_config(shape: str, max_len: int):
                                       window_size=p.window_size, sink_tokens=p.sink_tokens))
 
 
-def split_layers(state):
-    """(the model state, each layer's weights as arrays of their own: a tuple over the
-    stacked layers' leaves, each a tuple over layers). Works on arrays and on
-    ShapeDtypeStructs."""
+def _is_layer_leaf(path) -> bool:
+    return getattr(path[0], "key", None) == "layers"
+
+
+def split_layers(state) -> tuple:
+    """Each stacked layer leaf of the model state as arrays of its own: a tuple over those
+    leaves, each a tuple over layers. Works on arrays and on ShapeDtypeStructs."""
     paths, _ = jax.tree_util.tree_flatten_with_path(state)
-    stacked = [leaf for path, leaf in paths if getattr(path[0], "key", None) == "layers"]
 
     def one(leaf, i):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
         return leaf[i]
-    return state, tuple(tuple(one(leaf, i) for i in range(leaf.shape[0])) for leaf in stacked)
+    return tuple(tuple(one(leaf, i) for i in range(leaf.shape[0]))
+                 for path, leaf in paths if _is_layer_leaf(path))
 
 
 def restack(state, per_layer):
@@ -108,8 +111,7 @@ def restack(state, per_layer):
     paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     rebuilt = iter(jnp.stack(layers) for layers in per_layer)
     return jax.tree_util.tree_unflatten(treedef, [
-        next(rebuilt) if getattr(path[0], "key", None) == "layers" else leaf
-        for path, leaf in paths])
+        next(rebuilt) if _is_layer_leaf(path) else leaf for path, leaf in paths])
 
 
 def restacked_decode_step(model_state, per_layer, cache, tokens, active, **static):
@@ -125,8 +127,7 @@ def step_ms(compiled, real, batch: int, steps: int, per_layer_weights: bool = Fa
     is bound by reading the weights, which is what the layer loop's form changes)."""
     from cca_jax.kv_cache import init_cache
     state, cfg, max_len = real
-    lead = split_layers(state[1]) if per_layer_weights else ()
-    lead = ((state[0], lead[0]), lead[1]) if per_layer_weights else (state,)
+    lead = (state, split_layers(state[1])) if per_layer_weights else (state,)
     cache = init_cache(cfg, batch, max_len)
     tokens, active = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool)
     times = []
@@ -163,12 +164,7 @@ def lower(shape: str, batch: int, max_len: int, name: str):
                    donate_argnames=("cache",),
                    static_argnames=("implementation", "pool_slots", "unroll_layers"),
                    compiler_options=options)
-    if per_layer:
-        graphdef, shapes = state
-        shapes, layers = split_layers(shapes)
-        lead = ((graphdef, shapes), layers)
-    else:
-        lead = (state,)
+    lead = (state, split_layers(state[1])) if per_layer else (state,)
     start = time.perf_counter()
     lowered = step.trace(*lead, cache, tokens, active, implementation=impl,
                          pool_slots=variant["pool_slots"],
