@@ -19,6 +19,9 @@ decoder's matmuls, no attention) for `--rows` tokens, its weights held four ways
 and prints/writes for each: seconds to compile, the median ms of a call, the GEMM fusions in
 the optimized program and how many of them are distinct once parameter names are dropped,
 and the bytes of XLA's temporaries (a copy of the weights would show there).
+XLA keeps tuned GEMM configurations for the process: a way compiled after another with the
+same fusions finds them tuned (no_autotune and autotune_1 after stacked; `--ways` one at a
+time for their own compile time).
 Writes `<out>.json` (stamped records) and `<out>.md`.
 """
 
@@ -48,10 +51,17 @@ def weight_shapes(hidden: int, inner: int) -> dict:
 
 
 def layer(x, w: dict):
-    """The decoder layer's matmuls on `x` `[rows, hidden]` (no norms, no attention)."""
-    q = (x @ w["qkv"])[:, : x.shape[1]]
+    """The decoder layer's matmuls on `x` `[rows, hidden]` (RMS norms, no attention): normed
+    so that 32 layers of random weights stay finite and the ways' outputs can be compared."""
+    q = (rms(x) @ w["qkv"])[:, : x.shape[1]]
     x = x + q @ w["o"]
-    return x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+    h = rms(x)
+    return x + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+
+
+def rms(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
 def stacked_stack(x, stacked: dict, layers: int):
