@@ -116,7 +116,7 @@ def bench_ours(kind: str, args) -> list[dict]:
     from cca_jax.decode import decode_implementation, offset_implementation
     from cca_jax.prefill import prefill
     from cca_jax.kv_cache import cache_bytes, full_cache_bytes, init_cache
-    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.model import LlamaForCausalLM, inference_layers
 
     contexts = [int(c) for c in args.contexts.split(",")]
     steps = args.decode_warmup + args.decode_tokens
@@ -131,6 +131,8 @@ def bench_ours(kind: str, args) -> list[dict]:
                                          window_size=p.window_size, sink_tokens=p.sink_tokens,
                                          implementation=args.implementation))
         model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    if not args.stacked_layers:   # as the generate and serve CLIs hold it
+        model = inference_layers(model, consume=True)
     decode_impl = decode_implementation(cfg)
     rng = np.random.default_rng(0)
     records = []
@@ -149,7 +151,7 @@ def bench_ours(kind: str, args) -> list[dict]:
 
         rec = dict(impl=kind, implementation=cfg.attention.implementation, context=context,
                    batch=args.batch, chunk=chunk,
-                   model=args.ckpt or args.shape,
+                   model=args.ckpt or args.shape, stacked_layers=not model.layers_unstacked,
                    offset_impl=offset_implementation(cfg), decode_impl=decode_impl)
         if args.no_prefill:
             cache = init_cache(cfg, args.batch, max_len)
@@ -314,6 +316,9 @@ def main(argv=None):
                          "weights; its own attention settings replace --impl")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                     help="--ckpt's parameter and activation dtype (default bfloat16)")
+    ap.add_argument("--stacked-layers", action="store_true",
+                    help="keep the layers stacked as training does, not as the CLIs hold them "
+                    "for inference (`model.inference_layers`): a comparison")
     ap.add_argument("--out", default="benchmarks/results/inference_h200")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="instead of measuring, combine earlier --out JSON files into --out")

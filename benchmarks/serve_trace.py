@@ -70,6 +70,9 @@ class Trace:
     prefill_rows: int = 1
     max_batch: int = 0              # cache rows; 0: as many as the device's memory fits
     seed: int = 0
+    # the layers as training holds them (one stacked array a weight), each layer's GEMMs
+    # tuned apart, instead of `model.inference_layers`'s: a comparison
+    stacked_layers: bool = False
 
 
 SMALL = Trace(shape="tiny", requests=8, prompt_lengths=(16, 96), new_tokens=8, rate=500.0,
@@ -82,7 +85,7 @@ def build_model(trace: Trace, kind: str, layers: int | None = None):
     from flax import nnx
 
     from cca_jax.config import LlamaConfig
-    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.model import LlamaForCausalLM, inference_layers
 
     if trace.shape == "tiny":
         settings = SMALL_PATTERNS[kind]
@@ -95,7 +98,8 @@ def build_model(trace: Trace, kind: str, layers: int | None = None):
         shape["num_hidden_layers"] = layers
     cfg = LlamaConfig(**shape, max_position_embeddings=trace.max_len,
                       attention=dict(kind=kind, **settings))
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return model if trace.stacked_layers else inference_layers(model, consume=True)
 
 
 def rows_fit(model, trace: Trace) -> int:
@@ -192,6 +196,7 @@ def start_time(kind: str, args, cache_dir: str) -> float:
     cmd = [sys.executable, os.path.abspath(__file__), "--start-only", "--attention", kind,
            "--compile-cache", cache_dir]
     cmd += ["--small"] if args.small else []
+    cmd += ["--stacked-layers"] if args.stacked_layers else []
     for name in ("requests", "new_tokens", "rate", "max_len", "chunk_size",
                  "decode_chunk_size", "itl_target_ms", "prefill_rows", "max_batch",
                  "prompt_lengths"):
@@ -328,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                     help="stop each trace this long after its first arrival and record what "
                     "was served by then (marked partial)")
+    ap.add_argument("--stacked-layers", action="store_true",
+                    help="keep the layers stacked as training does (a comparison)")
     ap.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="benchmarks/results/serve_trace_h200")
@@ -339,7 +346,7 @@ def main(argv=None) -> int:
                if getattr(args, k) is not None}
     if args.prompt_lengths:
         changes["prompt_lengths"] = tuple(int(x) for x in args.prompt_lengths.split(","))
-    trace = dataclasses.replace(trace, **changes)
+    trace = dataclasses.replace(trace, **changes, stacked_layers=args.stacked_layers)
     if args.start_only:   # a child of start_time(): build, compile, report, exit
         from cca_jax.cli import enable_compile_cache
         enable_compile_cache(argparse.Namespace(compile_cache=args.compile_cache,

@@ -42,7 +42,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -222,7 +222,12 @@ def save_tree(directory: str | os.PathLike, tree: Any) -> None:
 
 
 def save_pretrained(directory: str | os.PathLike, params: Any, config: LlamaConfig) -> None:
-    """`directory/config.json` + `directory/params/` (orbax). `directory` may exist (empty)."""
+    """`directory/config.json` + `directory/params/` (orbax). `directory` may exist (empty).
+    Parameters are stored stacked (`layers.<...>` `[L, ...]`), the layout every loader reads."""
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    if isinstance(layers, Mapping) and any(str(k).isdigit() for k in layers):
+        raise ValueError("these parameters hold the layers one per layer (an inference copy "
+                         "from model.unstack_layers); save the stacked model they came from.")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

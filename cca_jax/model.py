@@ -4,7 +4,8 @@ embed -> [scan over layers: RMSNorm -> attention -> RMSNorm -> SwiGLU MLP] -> RM
 
 Layers are created stacked (leading layer axis on every parameter) and run with one
 `lax.scan` over that axis, so the layer body is compiled once; `config.remat` wraps the body
-in `jax.checkpoint`. Parameters and activations use `param_dtype` / `dtype`; norms, softmax
+in `jax.checkpoint`. For inference on a GPU, `unstack_layers` holds them one array per layer
+and weight instead (run unrolled): XLA tunes each GEMM once, not once per layer. Parameters and activations use `param_dtype` / `dtype`; norms, softmax
 and logits are float32.
 
 `model.sequence_sharding` (None, or an `attention.SequenceSharding` that whoever shards the
@@ -183,7 +184,7 @@ class LlamaForCausalLM(nnx.Module):
             positions = jnp.broadcast_to(jnp.asarray(order), input_ids.shape)
         cos, sin = rope_cos_sin(positions, cfg)
         x = self.embed(input_ids)
-        graphdef, stacked = nnx.split(self.layers)
+        graphdef, weights = self._split_layers()
 
         def layer_step(x, layer_state):
             layer = nnx.merge(graphdef, layer_state)
@@ -191,12 +192,27 @@ class LlamaForCausalLM(nnx.Module):
 
         if REMAT_POLICIES[cfg.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[cfg.remat])
-        if cfg.scan_layers:
-            x, _ = jax.lax.scan(layer_step, x, stacked)
+        if self.layers_unstacked:
+            for layer_state in weights:
+                x, _ = layer_step(x, layer_state)
+        elif cfg.scan_layers:
+            x, _ = jax.lax.scan(layer_step, x, weights)
         else:
             for i in range(cfg.num_hidden_layers):
-                x, _ = layer_step(x, jax.tree.map(lambda p, i=i: p[i], stacked))
+                x, _ = layer_step(x, jax.tree.map(lambda p, i=i: p[i], weights))
         return self.norm(x)
+
+    @property
+    def layers_unstacked(self) -> bool:
+        """Whether the layers are held one array per layer and weight (`unstack_layers`)."""
+        return isinstance(self.layers, nnx.List)
+
+    def _split_layers(self):
+        """(a decoder layer's graphdef, the layers' weights: one stacked state `[L, ...]`,
+        or unstacked a list of the layers' states)."""
+        if self.layers_unstacked:
+            return nnx.graphdef(self.layers[0]), [nnx.state(layer) for layer in self.layers]
+        return nnx.split(self.layers)
 
     def decode_layers(self, x, cos, sin, attend, carry, *, unroll: bool = False,
                       last_rows=None):
@@ -209,21 +225,25 @@ class LlamaForCausalLM(nnx.Module):
         `unroll`: a Python loop with static layer indices instead of one `lax.scan`, so every
         weight is a static slice of the stacked parameters, read in place (a decode step is
         bound by reading the weights; the scan's dynamic slices are copied first). The scan
-        compiles faster, and a prefill is compute-bound.
+        compiles faster, and a prefill is compute-bound. Unstacked layers (`unstack_layers`)
+        always run unrolled: they have no stack to scan.
         `last_rows` (int `[B]`): only row `last_rows[b]` of each batch row is
         wanted from the last layer, whose keys/values still go into the cache but whose
         attention, output projection and MLP run for that row alone (`attend(...,
         out_rows=last_rows)` -> `[B, 1, Hq, D]`); returns `[B, 1, hidden]`. A prefill needs no
         more: 1/L of the last layer's work.
         """
-        graphdef, stacked = nnx.split(self.layers)
+        graphdef, weights = self._split_layers()
         num_layers = self.config.num_hidden_layers
+        unroll = unroll or self.layers_unstacked
 
         def layer_at(i):
+            if self.layers_unstacked:
+                return nnx.merge(graphdef, weights[i])
             if isinstance(i, int):   # a static slice: read in place
-                return nnx.merge(graphdef, jax.tree.map(lambda p: p[i], stacked))
+                return nnx.merge(graphdef, jax.tree.map(lambda p: p[i], weights))
             return nnx.merge(graphdef, jax.tree.map(
-                lambda p: jax.lax.dynamic_index_in_dim(p, i, 0, keepdims=False), stacked))
+                lambda p: jax.lax.dynamic_index_in_dim(p, i, 0, keepdims=False), weights))
 
         def body(state, i, rows=None):
             x, carry = state
@@ -272,6 +292,43 @@ class LlamaForCausalLM(nnx.Module):
         if last_only:
             hidden = hidden[:, -1:]
         return self.logits(hidden)
+
+
+def unstack_layers(model: LlamaForCausalLM, *, consume: bool = False) -> LlamaForCausalLM:
+    """The model with its decoder layers held one array per layer and weight, for inference
+    on a GPU; every other parameter is shared with `model`. The same computation (bit-equal
+    on the CPU; a GPU may pick other GEMM algorithms for unsliced weights).
+
+    Why: sliced out of a stack, each layer's GEMM fusion is unlike the others, and XLA tunes
+    all of them: 23 s of a 7B stack's compile against 1.2 s, and the slices keep 256-row
+    GEMMs off cuBLAS, 23% slower (benchmarks/results/research/h100_2026-12-06g.md). Training
+    keeps the stack (one scanned body). Checkpoints are saved stacked.
+    `consume`: delete each stacked weight once its layers are copied (the peak is the
+    weights plus one stacked weight, not twice the weights); `model` is unusable after.
+    Already unstacked: returned as is."""
+    if model.layers_unstacked:
+        return model
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, state)   # a second module over the same arrays
+    layer_def, stacked = nnx.split(model.layers)
+    leaves, treedef = jax.tree.flatten(stacked)
+    num_layers = model.config.num_hidden_layers
+    per_layer: list[list] = [[] for _ in range(num_layers)]
+    for leaf in leaves:
+        for i in range(num_layers):
+            per_layer[i].append(leaf[i])
+        if consume:
+            leaf.delete()
+    out.layers = nnx.List([nnx.merge(layer_def, jax.tree.unflatten(treedef, weights))
+                           for weights in per_layer])
+    return out
+
+
+def inference_layers(model: LlamaForCausalLM, *, consume: bool = False) -> LlamaForCausalLM:
+    """The model as inference holds it on this backend: unstacked on a GPU (`unstack_layers`,
+    whose GEMMs XLA tunes), else as it is (XLA:CPU and TPU tune no GEMM fusions, and a
+    scanned prefill compiles faster)."""
+    return unstack_layers(model, consume=consume) if jax.default_backend() == "gpu" else model
 
 
 def _check_ids(input_ids, segment_ids, positions, cfg: LlamaConfig) -> None:

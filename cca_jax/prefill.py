@@ -278,7 +278,9 @@ a static slice read in place, instead of scanned, which copies each layer's weig
 the stack first (~4 ms a chunk at the 7B shape, by the decode step's 11.9 ms scanned against
 7.5 unrolled: benchmarks/results/research/decode_compile_probe_b16_h200.jsonl) but compiles
 several times faster. A server's small chunks between decode steps want it; a prompt's
-large chunks and `generate` keep the scan."""
+large chunks and `generate` keep the scan. A model whose layers are unstacked
+(`model.unstack_layers`, as the CLIs hold it on a GPU) always runs them unrolled, reading each
+layer's own arrays."""
 
 
 def _prefill_plan(model, cache: KVCache, input_ids, lengths, chunk_size: int):

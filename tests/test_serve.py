@@ -714,12 +714,15 @@ def test_serve_trace_deadline_reports_what_was_served():
 
 
 @pytest.mark.slow
-def test_engine_over_a_mesh_equals_generate():
+@pytest.mark.parametrize("unstacked", [False, True], ids=["stacked", "unstacked"])
+def test_engine_over_a_mesh_equals_generate(unstacked):
     """The engine over the devices (rows over data, heads over tensor 2; the sharding table)
-    gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time."""
+    gives each request generate()'s greedy tokens, prefilling 2 rows of 4 at a time; also
+    with the layers unstacked as the CLIs hold them on a GPU (`unstack_layers`), against
+    generate() on the stacked model."""
     from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
-    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.model import LlamaForCausalLM, unstack_layers
     from cca_jax.serve.engine import Engine, EngineConfig
     from cca_jax.sharding import make_mesh, parse_mesh
 
@@ -731,6 +734,8 @@ def test_engine_over_a_mesh_equals_generate():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, n).tolist() for n in (3, 40, 1, 17, 70, 9)]
     want = [generate(model, [p], max_new_tokens=10, max_len=128)[0] for p in prompts]
+    if unstacked:
+        model = unstack_layers(model)
     engine = Engine(model, EngineConfig(max_batch=4, max_len=128, chunk_size=16,
                                         prefill_rows=2),
                     mesh=make_mesh(parse_mesh("data=-1,tensor=2")))

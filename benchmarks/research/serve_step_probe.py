@@ -210,6 +210,8 @@ def main(argv=None) -> int:
                     f"comma-separated names from {sorted(VARIANTS)}")
     ap.add_argument("--small", action="store_true",
                     help="a tiny float32 model (CPU check); the other flags still apply")
+    ap.add_argument("--stacked-layers", action="store_true",
+                    help="keep the layers stacked as training does (a comparison)")
     ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
     args = ap.parse_args(argv)
     from cca_jax.kv_cache import init_cache
@@ -220,7 +222,8 @@ def main(argv=None) -> int:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    trace = dataclasses.replace(SMALL if args.small else Trace(), max_len=args.max_len)
+    trace = dataclasses.replace(SMALL if args.small else Trace(), max_len=args.max_len,
+                                stacked_layers=args.stacked_layers)
     batch = args.max_batch
     contexts, chunks, actives = ([int(x) for x in value.split(",")]
                                  for value in (args.contexts, args.chunks, args.active))
@@ -259,6 +262,7 @@ def main(argv=None) -> int:
             tokens = int(size[0]) if kind in ("chunk", "decode") else 0
             records.append(dict(attention=args.attention, shape=trace.shape,
                                 layers=model.config.num_hidden_layers,
+                                stacked_layers=trace.stacked_layers,
                                 max_batch=batch, max_len=trace.max_len, context=context,
                                 program=name.split(" [")[0],
                                 variant=name.split(" [")[1][:-1] if " [" in name else "default",

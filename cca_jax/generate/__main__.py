@@ -114,9 +114,11 @@ def run(a, out=None, err=None) -> int:
 
     mesh = mesh_from_args(a)
     enable_compile_cache(a)
+    from cca_jax.model import inference_layers
     from cca_jax.pretrained import from_pretrained
     try:
         model = from_pretrained(ckpt, dtype=a.dtype, **attention_overrides(a))
+        model = inference_layers(model, consume=True)   # GEMMs tuned once a shape
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
     cfg = model.config

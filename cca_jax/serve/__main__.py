@@ -109,6 +109,7 @@ def build_server(a):
     the engine compiles when the server starts)."""
     import uvicorn
 
+    from cca_jax.model import inference_layers
     from cca_jax.pretrained import from_pretrained
     from cca_jax.serve.app import ServerSettings, create_app
     from cca_jax.serve.engine import Engine
@@ -124,6 +125,7 @@ def build_server(a):
         if a.max_position_embeddings is not None:
             overrides["max_position_embeddings"] = a.max_position_embeddings
         model = from_pretrained(ckpt, dtype=a.dtype, **overrides)
+        model = inference_layers(model, consume=True)   # GEMMs tuned once a shape
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"cannot load the checkpoint {ckpt}: {e}") from None
     eos = model.config.eos_token_id

@@ -1,0 +1,120 @@
+"""`model.unstack_layers`: the layers held one array per layer (inference on a GPU, where XLA
+then tunes each GEMM once) give the stacked model's results (bit for bit on the CPU; a GPU may
+pick other GEMM algorithms for unsliced weights), share every other parameter, shard by the
+same table, and are never saved."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cca_jax.checkpoint import save_pretrained
+from cca_jax.decode import decode_step
+from cca_jax.kv_cache import init_cache
+from cca_jax.model import inference_layers, unstack_layers
+from cca_jax.prefill import prefill_chunk
+from cca_jax.sharding import make_mesh, parse_mesh, shard_model, tree_shardings, unnamed_params
+from tests.test_model import TINY, build, ids
+
+MAX_LEN = 48
+
+
+def assert_same(got, want):
+    """Bit-equal on the CPU; elsewhere within float32 GEMM-algorithm differences."""
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(stacked, unstacked) over the same weights; the stacked one loops over static slices
+    (`scan_layers=False`), as the unstacked one runs."""
+    stacked = build(TINY.replace(scan_layers=False))
+    return stacked, unstack_layers(stacked)
+
+
+def test_layout_and_shared_parameters(models):
+    stacked, unstacked = models
+    assert not stacked.layers_unstacked and unstacked.layers_unstacked
+    assert len(unstacked.layers) == TINY.num_hidden_layers
+    q = nnx.state(stacked.layers)["self_attn"]["q_proj"]["kernel"][...]
+    for i, layer in enumerate(unstacked.layers):
+        np.testing.assert_array_equal(np.asarray(layer.self_attn.q_proj.kernel[...]), q[i])
+    assert unstacked.embed_tokens.embedding[...] is stacked.embed_tokens.embedding[...]
+    assert unstack_layers(unstacked) is unstacked
+
+
+def test_forward_equals_the_stacked_model(models):
+    stacked, unstacked = models
+    assert_same(np.asarray(unstacked(ids())), np.asarray(stacked(ids())))
+    scanned = build()   # the same seed: the same weights, layers scanned
+    np.testing.assert_allclose(np.asarray(unstacked(ids())), np.asarray(scanned(ids())),
+                               atol=1e-5)
+
+
+def test_prefill_chunk_and_decode_step_equal_the_stacked_model(models):
+    """A prefill chunk (unrolled, as a GPU runs small chunks) and then decode steps leave the
+    same logits and cache; the unstacked chunk runs unrolled when asked to scan
+    (it has no stack), with the same result."""
+    x = np.asarray(ids(b=2, length=20))
+    n_valid = jnp.asarray([20, 13], jnp.int32)
+    results = []
+    for model, unroll in ((models[0], True), (models[1], True), (models[1], False)):
+        state = nnx.split(model)
+        cache, logits = prefill_chunk(state, init_cache(TINY, 2, MAX_LEN), jnp.asarray(x),
+                                      n_valid, first=True, unroll_layers=unroll)
+        steps = []
+        for t in range(3):
+            out, cache = decode_step(state, cache, jnp.asarray(x[:, t]))
+            steps.append(np.asarray(out))
+        results.append((np.asarray(logits), steps, jax.tree.map(np.asarray, cache)))
+    for got in results[1:]:
+        assert_same(got[0], results[0][0])
+        for a, b in zip(got[1], results[0][1]):
+            assert_same(a, b)
+        for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(results[0][2])):
+            assert_same(a, b)
+
+
+def test_consume_deletes_the_stack_and_keeps_the_rest():
+    stacked = build()
+    want = np.asarray(stacked(ids()))
+    leaves = jax.tree.leaves(nnx.state(stacked.layers))
+    unstacked = unstack_layers(stacked, consume=True)
+    assert all(leaf.is_deleted() for leaf in leaves)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(nnx.state(unstacked)))
+    np.testing.assert_allclose(np.asarray(unstacked(ids())), want, atol=1e-5)
+
+
+def test_unstacked_parameters_shard_by_the_table(models):
+    """Every per-layer parameter is named by the sharding table, with the stacked one's
+    placement less the layer axis, and the sharded model computes the same logits."""
+    stacked, unstacked = models
+    mesh = make_mesh(parse_mesh("data=-1,tensor=2"))
+    assert unnamed_params(nnx.state(unstacked)) == []
+    stacked_specs = tree_shardings(nnx.state(stacked.layers), mesh)
+    layer_specs = tree_shardings(nnx.state(unstacked.layers[1]), mesh)
+    for want, got in zip(jax.tree.leaves(stacked_specs), jax.tree.leaves(layer_specs)):
+        assert tuple(got.spec) == tuple(want.spec)[1:] or \
+            (tuple(want.spec) == () and tuple(got.spec) == ()), (want.spec, got.spec)
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(layer_specs))
+    sharded = shard_model(unstack_layers(build(TINY.replace(scan_layers=False))), mesh)
+    np.testing.assert_allclose(np.asarray(sharded(ids())), np.asarray(stacked(ids())),
+                               atol=1e-5)
+
+
+def test_saving_unstacked_parameters_is_refused(models, tmp_path):
+    params = nnx.to_pure_dict(nnx.state(models[1], nnx.Param))
+    with pytest.raises(ValueError, match="save the stacked model"):
+        save_pretrained(tmp_path / "out", params, TINY)
+    assert not (tmp_path / "out").exists()
+
+
+def test_inference_layers_unstack_on_a_gpu_only(models, monkeypatch):
+    stacked = models[0]
+    assert inference_layers(stacked) is stacked
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert inference_layers(stacked).layers_unstacked
