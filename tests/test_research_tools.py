@@ -152,31 +152,13 @@ def test_the_device_chains_name_only_variants_the_probes_have():
     assert checked >= 3
 
 
-def test_decode_compile_probe_restacked_step_equals_the_stacked_one():
-    """The `restacked` variant (each layer's weights as arrays of their own, stacked again
-    inside the program) computes the decode step the library does, bit for bit."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
+def test_decode_compile_probe_times_the_stacked_and_unstacked_steps(capsys):
+    """With `--steps` the probe times the stacked variants on the real weights, then unstacks
+    them in place for the `unstacked` variant, whatever order the variants are named in."""
     from benchmarks.research import decode_compile_probe as probe
-    from benchmarks.serve_trace import SMALL, build_model
-    from cca_jax.decode import decode_step_traced
-    from cca_jax.kv_cache import init_cache
 
-    model = build_model(SMALL, "cca", 2)
-    graphdef, state = nnx.split(model)
-    per_layer = probe.split_layers(state)
-    assert len(per_layer) == len(jax.tree.leaves(state["layers"]))
-    assert all(len(layers) == 2 for layers in per_layer)
-    rebuilt = probe.restack(state, per_layer)
-    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    cache = init_cache(model.config, 2, 64)
-    cache = cache.replace(lengths=jnp.array([5, 17], jnp.int32))
-    tokens, active = jnp.array([3, 9], jnp.int32), jnp.array([True, True])
-    want, _ = jax.jit(decode_step_traced)((graphdef, state), cache, tokens, active)
-    got, _ = jax.jit(probe.restacked_decode_step)((graphdef, state), per_layer, cache, tokens,
-                                                  active)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    probe.main(["--shape", "tiny", "--batch", "2", "--max-len", "64", "--steps", "2",
+                "--variants", "unstacked,base"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["variant"] for r in records] == ["base", "unstacked"], records
+    assert all(r["step_ms"] > 0 and r["compile_s"] > 0 for r in records)

@@ -30,10 +30,9 @@ Variants:
                  for its operands, so is each tuned once, not per layer?
   cublas_dsf     cublas with dynamic-slice fusion (the static slices of the stacked weights
                  folded into the calls' operand addresses, not copied?)
-  restacked      base with each layer's weights passed as arrays of their own and stacked
-                 again inside the program (`restack`): are the 32 layers' GEMM fusions then
-                 alike (tuned once), and does XLA fold the stack's slices back to the
-                 arguments (no copy: the step as fast as base's)?
+  unstacked      base on the layers as inference holds them on a GPU (`model.unstack_layers`:
+                 one array per layer and weight, each GEMM shape tuned once); with --steps
+                 it runs after the stacked variants (the real weights are unstacked in place)
 A variant that fails to compile prints its error and the probe goes on.
 """
 
@@ -73,7 +72,7 @@ VARIANTS = {
     "scan_dsf_cublas": dict(pool_slots=True, unroll_layers=False,
                             options={"xla_gpu_enable_dynamic_slice_fusion": True,
                                      "xla_gpu_enable_triton_gemm": False}),
-    "restacked": dict(pool_slots=True, per_layer_weights=True),
+    "unstacked": dict(pool_slots=True, unstacked=True),
     "cublas": dict(pool_slots=True, options={"xla_gpu_enable_triton_gemm": False}),
     "cublas_dsf": dict(pool_slots=True, options={"xla_gpu_enable_dynamic_slice_fusion": True,
                                                  "xla_gpu_enable_triton_gemm": False}),
@@ -88,52 +87,18 @@ def model_config(shape: str, max_len: int):
                                       window_size=p.window_size, sink_tokens=p.sink_tokens))
 
 
-def _is_layer_leaf(path) -> bool:
-    return getattr(path[0], "key", None) == "layers"
-
-
-def split_layers(state) -> tuple:
-    """Each stacked layer leaf of the model state as arrays of its own: a tuple over those
-    leaves, each a tuple over layers. Works on arrays and on ShapeDtypeStructs."""
-    paths, _ = jax.tree_util.tree_flatten_with_path(state)
-
-    def one(leaf, i):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-        return leaf[i]
-    return tuple(tuple(one(leaf, i) for i in range(leaf.shape[0]))
-                 for path, leaf in paths if _is_layer_leaf(path))
-
-
-def restack(state, per_layer):
-    """The model state with its stacked layers' leaves rebuilt from `per_layer`
-    (`split_layers`): what a program gets when it is handed one array per layer."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
-    rebuilt = iter(jnp.stack(layers) for layers in per_layer)
-    return jax.tree_util.tree_unflatten(treedef, [
-        next(rebuilt) if _is_layer_leaf(path) else leaf for path, leaf in paths])
-
-
-def restacked_decode_step(model_state, per_layer, cache, tokens, active, **static):
-    from cca_jax.decode import decode_step_traced
-    graphdef, state = model_state
-    return decode_step_traced((graphdef, restack(state, per_layer)), cache, tokens, active,
-                              **static)
-
-
-def step_ms(compiled, real, batch: int, steps: int, per_layer_weights: bool = False) -> float:
+def step_ms(compiled, real, batch: int, steps: int) -> float:
     """Median ms of `steps` decode steps of `compiled` on random weights and a fresh cache
     (`real` = (model_state, config, max_len); every row active from position 0: the step
     is bound by reading the weights, which is what the layer loop's form changes)."""
     from cca_jax.kv_cache import init_cache
     state, cfg, max_len = real
-    lead = (state, split_layers(state[1])) if per_layer_weights else (state,)
     cache = init_cache(cfg, batch, max_len)
     tokens, active = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool)
     times = []
     for _ in range(steps + 2):
         start = time.perf_counter()
-        logits, cache = compiled(*lead, cache, tokens, active)
+        logits, cache = compiled(state, cache, tokens, active)
         jax.block_until_ready(logits)
         times.append(1e3 * (time.perf_counter() - start))
     del cache
@@ -146,27 +111,25 @@ def lower(shape: str, batch: int, max_len: int, name: str):
 
     from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_implementation, decode_step_traced
     from cca_jax.kv_cache import cache_shapes
-    from cca_jax.model import LlamaForCausalLM
+    from cca_jax.model import LlamaForCausalLM, unstack_layers
 
     cfg = model_config(shape, max_len)
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    variant = VARIANTS[name]
+    layout = unstack_layers if variant.get("unstacked") else (lambda model: model)
+    model = nnx.eval_shape(lambda: layout(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
     state = nnx.split(model)
     cache = cache_shapes(cfg, batch, max_len)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     active = jax.ShapeDtypeStruct((batch,), jnp.bool_)
-    variant = VARIANTS[name]
     impl = variant.get("implementation") or decode_implementation(cfg)
     options = dict(DECODE_COMPILER_OPTIONS, **variant.get("options", {}))
     if jax.default_backend() != "gpu":
         options = {}   # GPU passes' options: other backends reject them
-    per_layer = variant.get("per_layer_weights", False)
-    step = jax.jit(restacked_decode_step if per_layer else decode_step_traced,
-                   donate_argnames=("cache",),
+    step = jax.jit(decode_step_traced, donate_argnames=("cache",),
                    static_argnames=("implementation", "pool_slots", "unroll_layers"),
                    compiler_options=options)
-    lead = (state, split_layers(state[1])) if per_layer else (state,)
     start = time.perf_counter()
-    lowered = step.trace(*lead, cache, tokens, active, implementation=impl,
+    lowered = step.trace(state, cache, tokens, active, implementation=impl,
                          pool_slots=variant["pool_slots"],
                          unroll_layers=variant.get("unroll_layers", True)).lower()
     return lowered, time.perf_counter() - start, impl
@@ -178,8 +141,7 @@ def probe(shape: str, batch: int, max_len: int, name: str, real=None, steps: int
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     text = compiled.as_text() or ""
-    per_layer = VARIANTS[name].get("per_layer_weights", False)
-    timed = dict(step_ms=step_ms(compiled, real, batch, steps, per_layer)) if steps else {}
+    timed = dict(step_ms=step_ms(compiled, real, batch, steps)) if steps else {}
     return dict(variant=name, shape=shape, batch=batch, max_len=max_len, implementation=impl,
                 backend=jax.default_backend(), jax=jax.__version__, **timed,
                 lower_s=round(lowered_s, 2), compile_s=round(compile_s, 2),
@@ -224,14 +186,19 @@ def main(argv=None):
     if args.parallel:
         print(json.dumps(parallel_compile(args.shape, args.batch, args.max_len, names)))
         return
-    real = None
-    if args.steps:
+    real = model = None
+    if args.steps:   # the stacked variants first: the weights are unstacked once, in place
         from flax import nnx
 
-        from cca_jax.model import LlamaForCausalLM
+        from cca_jax.model import LlamaForCausalLM, unstack_layers
+        names.sort(key=lambda name: VARIANTS[name].get("unstacked", False))
         cfg = model_config(args.shape, args.max_len)
-        real = (nnx.split(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))), cfg, args.max_len)
+        model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     for name in names:
+        if model is not None:
+            if VARIANTS[name].get("unstacked") and not model.layers_unstacked:
+                model = unstack_layers(model, consume=True)
+            real = (nnx.split(model), model.config, args.max_len)
         try:
             record = probe(args.shape, args.batch, args.max_len, name, real, args.steps)
         except Exception as e:  # noqa: BLE001  (a variant XLA rejects: report, go on)

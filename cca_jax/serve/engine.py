@@ -299,7 +299,9 @@ class Engine:
     """The scheduler (module docstring). `start()`, then `submit()` from any thread;
     `shutdown()` ends it. `eos`: token ids that end a sequence (default the config's).
     `mesh`: run over several devices, parameters and cache placed by the logical-axis table
-    of `cca_jax.sharding` (rows over data x fsdp, heads over tensor), as `generate` does."""
+    of `cca_jax.sharding` (rows over data x fsdp, heads over tensor), as `generate` does.
+    On a GPU, pass `cca_jax.model.inference_layers(model)`, as the server does: its programs
+    compile in seconds, not minutes (XLA tunes each GEMM once, not once per layer)."""
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), eos=None, mesh=None):
         from flax import nnx
