@@ -5,7 +5,8 @@ embed -> [scan over layers: RMSNorm -> attention -> RMSNorm -> SwiGLU MLP] -> RM
 Layers are created stacked (leading layer axis on every parameter) and run with one
 `lax.scan` over that axis, so the layer body is compiled once; `config.remat` wraps the body
 in `jax.checkpoint`. For inference on a GPU, `unstack_layers` holds them one array per layer
-and weight instead (run unrolled): XLA tunes each GEMM once, not once per layer. Parameters and activations use `param_dtype` / `dtype`; norms, softmax
+and weight instead: XLA then tunes each GEMM of an unrolled program once, not once per layer.
+Parameters and activations use `param_dtype` / `dtype`; norms, softmax
 and logits are float32.
 
 `model.sequence_sharding` (None, or an `attention.SequenceSharding` that whoever shards the
@@ -192,14 +193,14 @@ class LlamaForCausalLM(nnx.Module):
 
         if REMAT_POLICIES[cfg.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[cfg.remat])
-        if self.layers_unstacked:
-            for layer_state in weights:
-                x, _ = layer_step(x, layer_state)
+        if cfg.scan_layers and self.layers_unstacked:
+            x, _ = jax.lax.scan(lambda x, i: layer_step(x, _layer_state(weights, i)), x,
+                                jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32))
         elif cfg.scan_layers:
             x, _ = jax.lax.scan(layer_step, x, weights)
         else:
             for i in range(cfg.num_hidden_layers):
-                x, _ = layer_step(x, jax.tree.map(lambda p, i=i: p[i], weights))
+                x, _ = layer_step(x, _layer_state(weights, i))
         return self.norm(x)
 
     @property
@@ -226,7 +227,8 @@ class LlamaForCausalLM(nnx.Module):
         weight is a static slice of the stacked parameters, read in place (a decode step is
         bound by reading the weights; the scan's dynamic slices are copied first). The scan
         compiles faster, and a prefill is compute-bound. Unstacked layers (`unstack_layers`)
-        always run unrolled: they have no stack to scan.
+        scan by picking layer `i`'s arrays (`_layer_state`): one layer copied a step, as the
+        stack's dynamic slice is.
         `last_rows` (int `[B]`): only row `last_rows[b]` of each batch row is
         wanted from the last layer, whose keys/values still go into the cache but whose
         attention, output projection and MLP run for that row alone (`attend(...,
@@ -235,15 +237,9 @@ class LlamaForCausalLM(nnx.Module):
         """
         graphdef, weights = self._split_layers()
         num_layers = self.config.num_hidden_layers
-        unroll = unroll or self.layers_unstacked
 
         def layer_at(i):
-            if self.layers_unstacked:
-                return nnx.merge(graphdef, weights[i])
-            if isinstance(i, int):   # a static slice: read in place
-                return nnx.merge(graphdef, jax.tree.map(lambda p: p[i], weights))
-            return nnx.merge(graphdef, jax.tree.map(
-                lambda p: jax.lax.dynamic_index_in_dim(p, i, 0, keepdims=False), weights))
+            return nnx.merge(graphdef, _layer_state(weights, i))
 
         def body(state, i, rows=None):
             x, carry = state
@@ -294,15 +290,33 @@ class LlamaForCausalLM(nnx.Module):
         return self.logits(hidden)
 
 
+def _layer_state(weights, i):
+    """Layer `i`'s state from `_split_layers`'s weights. `i` static: a slice of the stack,
+    read in place (or the layer's own arrays). `i` traced (a scan): a dynamic slice of the
+    stack, or of unstacked layers the branch of `lax.switch` that returns layer `i`'s arrays,
+    so that a scan copies one layer a step and never builds the stack."""
+    if isinstance(weights, list):
+        if isinstance(i, int):
+            return weights[i]
+        leaves = [jax.tree.leaves(state) for state in weights]
+        picked = jax.lax.switch(i, [lambda layer=layer: layer for layer in leaves])
+        return jax.tree.unflatten(jax.tree.structure(weights[0]), picked)
+    if isinstance(i, int):
+        return jax.tree.map(lambda p: p[i], weights)
+    return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, i, 0, keepdims=False),
+                        weights)
+
+
 def unstack_layers(model: LlamaForCausalLM, *, consume: bool = False) -> LlamaForCausalLM:
     """The model with its decoder layers held one array per layer and weight, for inference
     on a GPU; every other parameter is shared with `model`. The same computation (bit-equal
     on the CPU; a GPU may pick other GEMM algorithms for unsliced weights).
 
     Why: sliced out of a stack, each layer's GEMM fusion is unlike the others, and XLA tunes
-    all of them: 23 s of a 7B stack's compile against 1.2 s, and the slices keep 256-row
-    GEMMs off cuBLAS, 23% slower (benchmarks/results/research/h100_2026-12-06g.md). Training
-    keeps the stack (one scanned body). Checkpoints are saved stacked.
+    all of them: the 7B decode step's two programs compile in 6.2 s against 37.7, at the
+    same speed (benchmarks/results/research/h100_2026-12-06h.md). Unrolled, large prefill
+    chunks compile for minutes: they scan these layers as they scan the stack
+    (`_layer_state`). Training keeps the stack. Checkpoints are saved stacked.
     `consume`: delete each stacked weight once its layers are copied (the peak is the
     weights plus one stacked weight, not twice the weights); `model` is unusable after.
     Already unstacked: returned as is."""

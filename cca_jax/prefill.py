@@ -278,9 +278,10 @@ a static slice read in place, instead of scanned, which copies each layer's weig
 the stack first (~4 ms a chunk at the 7B shape, by the decode step's 11.9 ms scanned against
 7.5 unrolled: benchmarks/results/research/decode_compile_probe_b16_h200.jsonl) but compiles
 several times faster. A server's small chunks between decode steps want it; a prompt's
-large chunks and `generate` keep the scan. A model whose layers are unstacked
-(`model.unstack_layers`, as the CLIs hold it on a GPU) always runs them unrolled, reading each
-layer's own arrays."""
+large chunks and `generate` keep the scan (unrolled, a 128K chunk compiled 9x slower and ran
+4% slower: benchmarks/results/research/h100_2026-12-06h.md). With the layers unstacked
+(`model.unstack_layers`, as the CLIs hold them on a GPU), unrolled reads each layer's own
+arrays and scanned copies one layer a step, as with the stack."""
 
 
 def _prefill_plan(model, cache: KVCache, input_ids, lengths, chunk_size: int):

@@ -41,6 +41,7 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
+from benchmarks.research.autotune_dedup_probe import gemm_fusions  # noqa: E402
 from benchmarks.measure import round_robin, stamp, table_heading, write_results  # noqa: E402
 from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
 
@@ -77,10 +78,14 @@ class Program:
         # thinks the program exceeds the card's memory) names what it recomputed `*_remat*`
         remat = sum(1 for line in self.hlo_text().splitlines()
                     if "_remat" in line.split("=")[0])
-        return dict(remat_ops=remat, compile_s=compile_s) if m is None else dict(
+        # XLA tunes each distinct GEMM fusion: alike layers' fusions are tuned once
+        gemms, distinct = gemm_fusions(self._hlo)
+        facts = dict(remat_ops=remat, compile_s=compile_s, gemm_fusions=gemms,
+                     distinct_gemm_fusions=distinct)
+        return facts if m is None else dict(
             temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
             output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
-            remat_ops=remat, compile_s=compile_s)
+            **facts)
 
     def hlo_text(self) -> str:
         return self._hlo
@@ -166,8 +171,9 @@ def table(records) -> str:
         f"Serving turn, program by program ({first['attention']}, {first['shape']} with "
         f"{first['layers']} layers, {first['max_batch']} rows x {first['max_len']})", first) + [
         "| context | program | XLA options | compile s | ms | tokens | kernel ms (profiled) "
-        "| GPU idle ms (profiled) | temp MiB | aliased MiB | recomputed ops |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| GPU idle ms (profiled) | temp MiB | aliased MiB | recomputed ops "
+        "| GEMM fusions (distinct) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         kernels = r.get("kernels", {}).get("kernel_ms")
         idle = r.get("kernels", {}).get("gaps", {}).get("total_ms")
@@ -177,7 +183,8 @@ def table(records) -> str:
         lines.append(f"| {r['context']} | {r['program']} | {r.get('variant', 'default')} | "
                      f"{mem.get('compile_s', '')} | {r['ms']:.2f} | {r['tokens']} | "
                      f"{ms(kernels)} | {ms(idle)} | {mib('temp_bytes')} | "
-                     f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} |")
+                     f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} | "
+                     f"{mem.get('gemm_fusions', '')} ({mem.get('distinct_gemm_fusions', '')}) |")
     for r in records:   # profiled: what kind of work the kernel time is
         families = r.get("kernels", {}).get("families")
         if families:
