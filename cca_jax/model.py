@@ -6,8 +6,7 @@ Layers are created stacked (leading layer axis on every parameter) and run with 
 `lax.scan` over that axis, so the layer body is compiled once; `config.remat` wraps the body
 in `jax.checkpoint`. For inference on a GPU, `unstack_layers` holds them one array per layer
 and weight instead: XLA then tunes each GEMM of an unrolled program once, not once per layer.
-Parameters and activations use `param_dtype` / `dtype`; norms, softmax
-and logits are float32.
+Parameters and activations use `param_dtype` / `dtype`; norms, softmax and logits are float32.
 
 `model.sequence_sharding` (None, or an `attention.SequenceSharding` that whoever shards the
 model sets) is handed to every attention call: with it, cca / sliding / streaming run with
@@ -340,8 +339,8 @@ def unstack_layers(model: LlamaForCausalLM, *, consume: bool = False) -> LlamaFo
 
 def inference_layers(model: LlamaForCausalLM, *, consume: bool = False) -> LlamaForCausalLM:
     """The model as inference holds it on this backend: unstacked on a GPU (`unstack_layers`,
-    whose GEMMs XLA tunes), else as it is (XLA:CPU and TPU tune no GEMM fusions, and a
-    scanned prefill compiles faster)."""
+    whose GEMMs XLA tunes), else as it is (XLA:CPU and TPU tune no GEMM fusions: nothing to
+    gain there)."""
     return unstack_layers(model, consume=consume) if jax.default_backend() == "gpu" else model
 
 
