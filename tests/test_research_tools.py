@@ -14,6 +14,7 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
                                   "--contexts", "32", "--chunks", "8", "--active", "1",
                                   "--rounds", "1", "--no-direct", "--hlo", str(hlo),
                                   "--layers", "1", "--profile", str(tmp_path / "profile"),
+                                  "--compile-profile", str(tmp_path / "compile"),
                                   "--out", str(out)]) == 0
     records = json.loads((tmp_path / "probe.json").read_text())
     assert [r["program"] for r in records] == ["chunk 8", "decode 1"]
@@ -26,6 +27,10 @@ def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
         assert r["memory"]["remat_ops"] == 0
         assert r["memory"]["compile_s"] > 0
         assert set(r["kernels"]["gaps"]) == {"total_ms", "longest"}   # (no GPU kernels here)
+        events = {e["name"]: e["ms"] for e in r["memory"]["compile_events"]}
+        assert events.get("backend_compile_and_load", 0) > 0, events   # XLA's compile, traced
+        assert not any(name.startswith("$") for name in events)       # no Python frames
+        assert r["memory"]["gemm_fusions"] >= r["memory"]["distinct_gemm_fusions"] >= 0
     assert sorted(p.name for p in hlo.iterdir()) == ["32_chunk_8.hlo.gz", "32_decode_1.hlo.gz"]
 
 

@@ -66,6 +66,25 @@ def kernel_table(trace_dir: str, top: int) -> dict:
                 events=sorted(events))
 
 
+def host_event_table(trace_dir: str, top: int) -> list[dict]:
+    """The host's traced events of the newest trace under `trace_dir` (XLA's compile passes,
+    autotuning, LLVM and ptxas among them: where a compile's time goes), summed by name, the
+    longest first; Python frames (`$file:line`) left out. Nested events each count whole."""
+    from jax.profiler import ProfileData
+
+    path = max(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/host:CPU"):
+            for line in plane.lines:
+                for ev in line.events:
+                    if not ev.name.startswith("$"):
+                        by_name[ev.name][0] += 1
+                        by_name[ev.name][1] += ev.duration_ns
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(name=n[:120], count=c, ms=round(t / 1e6, 1)) for n, (c, t) in rows]
+
+
 def kernel_families(by_name: dict, top: int) -> list[dict]:
     """{name: (count, ns)} summed over names that differ only in XLA's numbering
     (`gemm_fusion_dot_180`, `gemm_fusion_dot.12` -> `gemm_fusion_dot`), longest first: what

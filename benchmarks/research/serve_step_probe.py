@@ -2,7 +2,8 @@
 
     python benchmarks/research/serve_step_probe.py [--attention cca] [--max-batch 17]
         [--max-len 131072] [--contexts 32768,126976] [--chunks 256,2048] [--active 1,4,16]
-        [--rounds 5] [--profile DIR] [--hlo DIR] [--no-direct] [--layers N] [--small]
+        [--rounds 5] [--profile DIR] [--compile-profile DIR] [--hlo DIR] [--no-direct]
+        [--layers N] [--small]
         [--out benchmarks/results/research/serve_step_probe_h200]
 
 The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; this takes its
@@ -22,13 +23,16 @@ the cache shows there). `--profile DIR`: one more call of each under the profile
 kernels (`gaps`: the sum, the 12 longest) in the record; `--hlo DIR`: each
 program's optimized HLO; `--variants`: each program compiled once per named XLA option set
 (`VARIANTS`: e.g. without GPU command buffers, or GEMM autotuning) and timed in the same
-round-robin; every record has its program's compile seconds. Writes `<out>.json` (one
+round-robin; every record has its program's compile seconds and GEMM fusions (all, and how
+many distinct: XLA tunes each distinct one); `--compile-profile DIR`: each compile traced,
+its longest host events (XLA's passes, autotuning, LLVM, ptxas) in the record. Writes `<out>.json` (one
 record per program and context, stamped) and `<out>.md`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import os
@@ -42,6 +46,7 @@ import numpy as np
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.research.autotune_dedup_probe import gemm_fusions  # noqa: E402
+from benchmarks.research.profile_inference import host_event_table  # noqa: E402
 from benchmarks.measure import round_robin, stamp, table_heading, write_results  # noqa: E402
 from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
 
@@ -64,13 +69,15 @@ class Program:
         cache = self.holder["cache"]
         return cache.replace(lengths=jnp.full_like(cache.lengths, self.context))
 
-    def compile(self) -> dict:
+    def compile(self, trace_dir: str | None = None) -> dict:
         """Compiles; returns the program's memory in bytes (XLA's temporaries, arguments,
-        outputs, and the output bytes that alias an argument: the donated cache)."""
+        outputs, and the output bytes that alias an argument: the donated cache), and with
+        `trace_dir` the compile traced there, its longest host events (`compile_events`)."""
         args, kwargs = self.args(self._cache())
         start = time.perf_counter()
-        self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile(
-            self.options)
+        with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+            self.compiled = self.jitted.lower(*args, **kwargs, **self.static).compile(
+                self.options)
         compile_s = round(time.perf_counter() - start, 1)   # trace, lower and XLA's compile
         self._hlo = self.compiled.as_text()   # read twice (recomputed ops, --hlo): megabytes
         m = self.compiled.memory_analysis()
@@ -82,6 +89,8 @@ class Program:
         gemms, distinct = gemm_fusions(self._hlo)
         facts = dict(remat_ops=remat, compile_s=compile_s, gemm_fusions=gemms,
                      distinct_gemm_fusions=distinct)
+        if trace_dir:
+            facts["compile_events"] = host_event_table(trace_dir, COMPILE_EVENTS)
         return facts if m is None else dict(
             temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
             output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
@@ -101,6 +110,8 @@ class Program:
             *out, self.holder["cache"] = result
         return out
 
+
+COMPILE_EVENTS = 25   # the longest host events of a traced compile kept (--compile-profile)
 
 # XLA option sets a program can be compiled with besides its own (`--variants`): GPU command
 # buffers (CUDA graphs) record a program's kernels and replay them, updated when its buffers
@@ -185,6 +196,13 @@ def table(records) -> str:
                      f"{ms(kernels)} | {ms(idle)} | {mib('temp_bytes')} | "
                      f"{mib('alias_bytes')} | {mem.get('remat_ops', '')} | "
                      f"{mem.get('gemm_fusions', '')} ({mem.get('distinct_gemm_fusions', '')}) |")
+    for r in records:   # --compile-profile: where the compile's time goes
+        events = r.get("memory", {}).get("compile_events")
+        if events:
+            lines += ["", f"Compile of {r['program']} ({r.get('variant', 'default')}, context "
+                      f"{r['context']}), its longest host events (nested ones each whole):", "",
+                      "| event | count | ms |", "| --- | --- | --- |"]
+            lines += [f"| {e['name']} | {e['count']} | {e['ms']} |" for e in events]
     for r in records:   # profiled: what kind of work the kernel time is
         families = r.get("kernels", {}).get("families")
         if families:
@@ -208,6 +226,9 @@ def main(argv=None) -> int:
                     help="only the engine's programs: not the chunk through `prefill_chunk` "
                     "scanned and unrolled (each a long compile at the 7B shape)")
     ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--compile-profile", default=None, metavar="DIR",
+                    help="trace each compile there; record its longest host events (XLA's "
+                    "passes, autotuning, LLVM, ptxas)")
     ap.add_argument("--hlo", default=None, metavar="DIR",
                     help="write each program's optimized HLO there (<context>_<program>.hlo.gz)")
     ap.add_argument("--layers", type=int, default=None,
@@ -252,7 +273,9 @@ def main(argv=None) -> int:
                 options=VARIANTS[variant]).items()})
         memory = {}
         for name, call in calls.items():
-            memory[name] = call.compile()
+            memory[name] = call.compile(os.path.join(args.compile_profile, str(context),
+                                                     file_name(name))
+                                        if args.compile_profile else None)
             print(f"context {context}: {name}: compiled; memory (bytes) {memory[name]}",
                   flush=True)
         if args.hlo:
