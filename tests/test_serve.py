@@ -807,12 +807,28 @@ def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens
     (["--max-batch", "2", "--prefill-rows", "3"], r"--prefill-rows \(3\) must be <= --max-batch"),
     (["--itl-target-ms", "40"], "--itl-target-ms .*give a --decode-chunk-size below"),
     (["--decode-chunk-size", "8", "--itl-target-ms", "0"], "--itl-target-ms must be a positive"),
+    (["--unroll-chunk-tokens", "-1"], "--unroll-chunk-tokens must be >= 0"),
 ])
 def test_cli_rejects_bad_chunk_and_row_settings(flags, message, capsys):
     """Checked before the checkpoint loads: exit 2 with the flag and the fix."""
     from cca_jax.serve.__main__ import main
     assert main(["--ckpt", "does-not-matter", *flags]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_flags_map_onto_the_engine_config():
+    """Every engine flag reaches `EngineConfig` (one source of truth), and a default flag
+    leaves the config's default."""
+    from cca_jax.serve.__main__ import build_parser, engine_config
+    from cca_jax.serve.engine import EngineConfig
+    flags = ["--ckpt", "x", "--max-batch", "3", "--chunk-size", "64", "--decode-chunk-size",
+             "16", "--itl-target-ms", "30", "--prefill-rows", "2", "--max-queue", "5",
+             "--unroll-chunk-tokens", "0", "--parallel-compile"]
+    assert engine_config(build_parser().parse_args(flags), 96) == EngineConfig(
+        max_batch=3, max_len=96, chunk_size=64, decode_chunk_size=16, itl_target_ms=30.0,
+        prefill_rows=2, max_queue=5, unroll_chunk_tokens=0, parallel_compile=True)
+    assert engine_config(build_parser().parse_args(["--ckpt", "x"]), 96) == \
+        EngineConfig(max_len=96)
 
 
 def test_pick_interleaved_chunk():
