@@ -142,3 +142,25 @@ def test_inference_layers_unstack_on_a_gpu_only(models, monkeypatch):
     assert inference_layers(stacked) is stacked
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert inference_layers(stacked).layers_unstacked
+
+
+def test_gradients_through_unstacked_layers_equal_the_stacked_ones():
+    """Scanned (`lax.switch` picks each layer) and differentiated, each layer's gradient is
+    the stacked gradient's slice."""
+    stacked = build()
+    unstacked = unstack_layers(stacked)
+    x = ids(b=1, length=12)
+
+    def grads(model):
+        graphdef, state = nnx.split(model, nnx.Param)
+
+        def loss(params):
+            return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
+        return jax.grad(loss)(state)
+    want, got = grads(stacked), grads(unstacked)
+    stacked_layers = jax.tree.leaves(want["layers"])
+    for i in range(TINY.num_hidden_layers):
+        for a, b in zip(jax.tree.leaves(got["layers"][i]), stacked_layers, strict=True):
+            assert_close(np.asarray(a), np.asarray(b)[i])
+    assert_same(np.asarray(got["embed_tokens"]["embedding"][...]),
+                np.asarray(want["embed_tokens"]["embedding"][...]))
