@@ -296,6 +296,10 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
         lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
 
 
+# A jit of its own: a program that calls the kernel once a layer with alike arguments (an
+# unrolled prefill chunk) traces and lowers it once, not once a layer.
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "row_offset", "key_splits",
+                                             "first_tile"))
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
             interpret=None, row_offset: int = 0, slot_rows=None, key_splits: int = 1,
             first_tile: int = 0):
