@@ -1,7 +1,8 @@
 """A program that calls the Mosaic GPU forward kernel once a layer (an unrolled prefill chunk)
 traces and lowers the kernel once, not once a layer: at the 7B shape, 32 layers' copies took
-40 s of the chunk program's host time on a 2-core CPU and 27 MB of module, against 4.4 s and
-3.0 MB once. Lowered here for CUDA on the CPU (the backend checks told it is a Hopper GPU)."""
+23.9 s of a 256-token chunk's host time on a 2-core CPU and 27 MB of module, against 3.1 s and
+3.0 MB once (benchmarks/results/research/lowering_probe_cpu.md). Lowered here for CUDA on the
+CPU (the backend checks told it is a Hopper GPU)."""
 
 import re
 

@@ -167,3 +167,15 @@ def test_decode_compile_probe_times_the_stacked_and_unstacked_steps(capsys):
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in records] == ["base", "unstacked"], records
     assert all(r["step_ms"] > 0 and r["compile_s"] > 0 for r in records)
+
+
+def test_lowering_probe_counts_the_kernels_each_way(tmp_path):
+    """Unjitted, each layer's Mosaic forward is lowered apart; jitted, the alike layers share
+    one (and the last layer has its own)."""
+    from benchmarks.research import lowering_probe
+    assert lowering_probe.main(["--layers", "3", "--programs", "chunk64", "--out",
+                                str(tmp_path / "lp")]) == 0
+    records = json.loads((tmp_path / "lp.json").read_text())
+    calls = {r["kernel_jit"]: r["mosaic_calls"] for r in records}
+    assert calls == {False: 3, True: 2}, calls
+    assert all(r["lower_s"] > 0 and r["module_mb"] > 0 for r in records)
