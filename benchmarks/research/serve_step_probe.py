@@ -25,8 +25,8 @@ program's optimized HLO; `--variants`: each program compiled once per named XLA 
 (`VARIANTS`: e.g. without GPU command buffers, or GEMM autotuning) and timed in the same
 round-robin; every record has its program's compile seconds and GEMM fusions (all, and how
 many distinct: XLA tunes each distinct one); `--compile-profile DIR`: each compile traced,
-its longest host events (XLA's passes, autotuning, LLVM, ptxas) in the record. Writes `<out>.json` (one
-record per program and context, stamped) and `<out>.md`.
+its longest host events (XLA's passes, autotuning, LLVM, ptxas) in the record. Writes
+`<out>.json` (one record per program and context, stamped) and `<out>.md`.
 """
 
 from __future__ import annotations
