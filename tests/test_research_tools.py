@@ -169,9 +169,11 @@ def test_decode_compile_probe_times_the_stacked_and_unstacked_steps(capsys):
     assert all(r["step_ms"] > 0 and r["compile_s"] > 0 for r in records)
 
 
-def test_lowering_probe_counts_the_kernels_each_way(tmp_path):
-    """Unjitted, each layer's Mosaic forward is lowered apart; jitted, the alike layers share
-    one (and the last layer has its own)."""
+def test_the_mosaic_forward_is_lowered_once_for_alike_layers(tmp_path):
+    """An unrolled chunk (lowered for CUDA on the CPU by `lowering_probe`) lowers the Mosaic
+    forward once for the alike layers and once for the last (its last row only) through the
+    kernel's own jit; called unjitted, once a layer (the 7B chunk's 23.9 s of host time
+    against 3.1 s: benchmarks/results/research/lowering_probe_cpu.md)."""
     from benchmarks.research import lowering_probe
     assert lowering_probe.main(["--layers", "3", "--programs", "chunk64", "--out",
                                 str(tmp_path / "lp")]) == 0
