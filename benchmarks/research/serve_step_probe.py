@@ -119,7 +119,8 @@ COMPILE_EVENTS = 25   # the longest host events of a traced compile kept (--comp
 # own offsets: is every layer's GEMM fusion autotuned anew, the slow part of the compile?)
 VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
             "no_autotune": {"xla_gpu_autotune_level": 0},
-            "autotune_1": {"xla_gpu_autotune_level": 1}}   # tuned, candidates' results unchecked
+            "autotune_1": {"xla_gpu_autotune_level": 1},   # tuned, candidates' results unchecked
+            "cublas": {"xla_gpu_enable_triton_gemm": False}}  # matmuls on cuBLAS: no Triton tuning
 
 
 def programs(model, holder: dict, batch: int, context: int, chunks, actives,
