@@ -13,7 +13,7 @@ for f in /tmp/ingest/job/out/*; do
   stem=${stem%_h200}; stem=${stem%_h100}
   out="$dest/${stem}_${suffix}${ext}"
   if [ -e "$out" ]; then echo "exists, skipped: $out"; continue; fi
-  sed 's#/root/job/out/##g' "$f" > "$out"
+  if grep -Iq . "$f"; then sed 's#/root/job/out/##g' "$f" > "$out"; else cp "$f" "$out"; fi
   echo "$out"
 done
 cat /tmp/ingest/job/steps.log
