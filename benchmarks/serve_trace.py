@@ -209,7 +209,8 @@ def start_time(kind: str, args, cache_dir: str) -> float:
 
 
 def make_engine(model, trace: Trace, max_batch: int, requests: int):
-    from cca_jax.serve.engine import Engine, EngineConfig
+    from cca_jax.serve.engine import Engine
+    from cca_jax.serve.engine_config import EngineConfig
 
     engine = Engine(model, EngineConfig(max_batch=max_batch, max_len=trace.max_len,
                                         chunk_size=trace.chunk_size,

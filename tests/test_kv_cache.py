@@ -954,7 +954,7 @@ def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
     below ..." for `prefill_chunk` (compiled without `CACHE_PROGRAM_COMPILER_OPTIONS`: the
     control, the reason they exist), and not for the programs that carry them: the server's
     chunk into one row and a decode step."""
-    from cca_jax.serve.engine import _prefill_and_sample
+    from cca_jax.serve.programs import prefill_and_sample
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -972,7 +972,7 @@ def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
 
     prefill_chunk.lower(state, cache, ints(1, 256), ints(1), rows=ints(1)).compile()
     assert warning in capfd.readouterr().err
-    _prefill_and_sample.lower(state, cache, ints(1), ints(1, 256), ints(1), ints(1), floats,
-                              ints(1), floats, unroll=True).compile()
+    prefill_and_sample.lower(state, cache, ints(1), ints(1, 256), ints(1), ints(1), floats,
+                             ints(1), floats, unroll=True).compile()
     decode_step.lower(state, cache, ints(cache.batch)).compile()
     assert warning not in capfd.readouterr().err

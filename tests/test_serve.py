@@ -469,7 +469,7 @@ def test_prompts_prefill_in_small_chunks_only_while_rows_decode(server, model, t
     assert spent["turn_seconds"] >= spent["prefill_seconds"] + spent["decode_seconds"] > 0
     assert got["choices"][0]["text"] == text_of(tokenizer, second,
                                                 greedy_ids(model, second, 4))
-    from cca_jax.serve.engine import EngineConfig
+    from cca_jax.serve.engine_config import EngineConfig
     with pytest.raises(ValueError, match="decode_chunk_size .* must be <= chunk_size"):
         EngineConfig(chunk_size=16, decode_chunk_size=32).check()
 
@@ -478,10 +478,10 @@ def test_engine_unrolls_its_small_chunks_on_gpus_only(monkeypatch):
     """`EngineConfig.unrolls`: on a GPU, prefill chunks of up to `unroll_chunk_tokens`
     tokens (prefill_rows x chunk) run their layers unrolled; larger ones, every chunk on
     other backends, and every chunk with 0 keep the scan (`generate` always does)."""
-    from cca_jax.serve import engine
-    cfg = engine.EngineConfig(chunk_size=2048, decode_chunk_size=256)
+    from cca_jax.serve import engine, engine_config
+    cfg = engine_config.EngineConfig(chunk_size=2048, decode_chunk_size=256)
     assert not cfg.unrolls(256)                                   # this CPU
-    monkeypatch.setattr(engine.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(engine_config.jax, "default_backend", lambda: "gpu")
     assert cfg.unrolls(256) and cfg.unrolls(512) and not cfg.unrolls(2048)
     assert not dataclasses.replace(cfg, prefill_rows=4).unrolls(256)   # 1024 tokens
     assert not dataclasses.replace(cfg, unroll_chunk_tokens=0).unrolls(1)
@@ -493,7 +493,7 @@ def test_engine_unrolls_its_small_chunks_on_gpus_only(monkeypatch):
     def program(*args, unroll):
         calls.append((args[3].shape, unroll))
         return np.zeros(args[3].shape[0], np.int32), None, args[1]
-    monkeypatch.setattr(engine, "_prefill_and_sample", program)
+    monkeypatch.setattr(engine.programs, "prefill_and_sample", program)
     fake = types.SimpleNamespace(config=cfg, mesh=None, _model_state=None, _cache=None)
     fake._settings = lambda seqs: engine.Engine._settings(fake, seqs)
     for chunk in (256, 2048):
@@ -723,7 +723,8 @@ def test_engine_over_a_mesh_equals_generate(unstacked):
     from cca_jax.config import LlamaConfig
     from cca_jax.generate import generate
     from cca_jax.model import LlamaForCausalLM, unstack_layers
-    from cca_jax.serve.engine import Engine, EngineConfig
+    from cca_jax.serve.engine import Engine
+    from cca_jax.serve.engine_config import EngineConfig
     from cca_jax.sharding import make_mesh, parse_mesh
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -784,7 +785,8 @@ def test_parallel_compile_compiles_each_program_once_and_serves_generates_tokens
     at once; the warm-up's calls find them in jit's cache (as many compilations at start-up
     as one after another, none after ready), and requests get generate()'s greedy tokens."""
     from cca_jax.generate import generate
-    from cca_jax.serve.engine import Engine, EngineConfig
+    from cca_jax.serve.engine import Engine
+    from cca_jax.serve.engine_config import EngineConfig
 
     model, prompts = _tiny_engine_model()
     want = [generate(model, [p], max_new_tokens=6, max_len=96)[0] for p in prompts]
@@ -820,7 +822,7 @@ def test_cli_flags_map_onto_the_engine_config():
     """Every engine flag reaches `EngineConfig` (one source of truth), and a default flag
     leaves the config's default."""
     from cca_jax.serve.__main__ import build_parser, engine_config
-    from cca_jax.serve.engine import EngineConfig
+    from cca_jax.serve.engine_config import EngineConfig
     flags = ["--ckpt", "x", "--max-batch", "3", "--chunk-size", "64", "--decode-chunk-size",
              "16", "--itl-target-ms", "30", "--prefill-rows", "2", "--max-queue", "5",
              "--unroll-chunk-tokens", "0", "--parallel-compile"]
@@ -835,7 +837,7 @@ def test_pick_interleaved_chunk():
     """Of the chunk lengths whose running time fits the turn's budget: the smallest that
     holds the rest of the prompt, else the largest; the smallest length if none fits (an
     unmeasured length never fits)."""
-    from cca_jax.serve.engine import pick_interleaved_chunk
+    from cca_jax.serve.engine_config import pick_interleaved_chunk
     sizes, ms = (256, 512, 1024, 2048), {256: 6.0, 512: 9.0, 1024: 15.0, 2048: 28.0}
     assert pick_interleaved_chunk(sizes, ms, 20.0, 100_000) == 1024
     assert pick_interleaved_chunk(sizes, ms, 20.0, 300) == 512
@@ -848,7 +850,7 @@ def test_pick_interleaved_chunk():
 def test_itl_target_config():
     """`itl_target_ms` compiles the doublings of decode_chunk_size up to chunk_size, and
     needs a decode_chunk_size below chunk_size."""
-    from cca_jax.serve.engine import EngineConfig
+    from cca_jax.serve.engine_config import EngineConfig
     cfg = EngineConfig(chunk_size=2048, decode_chunk_size=256, itl_target_ms=40.0)
     assert cfg.interleaved_chunk_sizes == cfg.chunk_sizes == (256, 512, 1024, 2048)
     assert EngineConfig(chunk_size=600, decode_chunk_size=256,
@@ -869,7 +871,8 @@ def test_itl_target_picks_the_interleaved_chunk(target_ms, chunks):
     length fits runs 4s. No program compiles after start-up, and both answers are
     generate()'s."""
     from cca_jax.generate import generate
-    from cca_jax.serve.engine import Engine, EngineConfig
+    from cca_jax.serve.engine import Engine
+    from cca_jax.serve.engine_config import EngineConfig
 
     model, prompts = _tiny_engine_model()
     want = [generate(model, [p], max_new_tokens=40, max_len=96)[0] for p in prompts]

@@ -35,7 +35,8 @@ def main(argv=None):
 
     from cca_jax.config import LlamaConfig
     from cca_jax.model import LlamaForCausalLM
-    from cca_jax.serve.engine import Engine, EngineConfig
+    from cca_jax.serve.engine import Engine
+    from cca_jax.serve.engine_config import EngineConfig
     cfg = LlamaConfig(vocab_size=97, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, dtype="float32",

@@ -10,12 +10,12 @@ The serve trace (`benchmarks/serve_trace.py`) reports means over a whole trace; 
 turn apart on the model it serves (the 7B shape, random bf16 weights; `--small`: a tiny
 float32 model on the CPU). One cache of `--max-batch` rows x `--max-len`, every row's length
 set to the context (entries zero: the bytes read are those of a full cache), then, per context:
-  chunk C      `_prefill_and_sample` of one C-token chunk into row 0 (P = 1: the engine's
+  chunk C      `programs.prefill_and_sample` of one C-token chunk into row 0 (P = 1: the engine's
                default, read and written in place; layers unrolled on a GPU
                up to `EngineConfig.unroll_chunk_tokens`), and the same chunk through `prefill_chunk`
                with its layers "scanned" (each layer's weights copied out of the stack
                first) and "unrolled" (weights read in place);
-  decode A     `_decode_and_sample` with A rows active at the context, the rest idle.
+  decode A     `programs.decode_and_sample` with A rows active at the context, the rest idle.
 Every program is compiled first, then all are timed round-robin `--rounds` times (median), so
 drift hits each alike; each record has the program's memory from XLA (temporaries: a copy of
 the cache shows there). `--profile DIR`: one more call of each under the profiler, with its
@@ -128,7 +128,8 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives,
     from flax import nnx
 
     from cca_jax.prefill import prefill_chunk
-    from cca_jax.serve.engine import EngineConfig, _decode_and_sample, _prefill_and_sample
+    from cca_jax.serve.engine_config import EngineConfig
+    from cca_jax.serve.programs import decode_and_sample, prefill_and_sample
     state = nnx.split(model)
     zeros = jnp.zeros((batch,), jnp.int32)
     greedy = (jnp.zeros((batch,), jnp.float32), zeros, jnp.ones((batch,), jnp.float32))
@@ -138,7 +139,7 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives,
         ids, n_valid = jnp.zeros((1, chunk), jnp.int32), jnp.full((1,), chunk, jnp.int32)
         sampled = (row, ids, n_valid, zeros[:1], *(x[:1] for x in greedy))
         calls[f"chunk {chunk}"] = Program(
-            holder, context, _prefill_and_sample,
+            holder, context, prefill_and_sample,
             lambda cache, sampled=sampled: ((state, cache, *sampled), {}),
             dict(unroll=EngineConfig().unrolls(chunk)), cache_first=False, options=options)
         for unroll in (False, True) if direct else ():   # scanned: weights copied out first
@@ -151,7 +152,7 @@ def programs(model, holder: dict, batch: int, context: int, chunks, actives,
     for active in actives:
         args = (zeros, jnp.arange(batch) < active, zeros, zeros, *greedy)
         calls[f"decode {active}"] = Program(
-            holder, context, _decode_and_sample,
+            holder, context, decode_and_sample,
             lambda cache, args=args: ((state, cache, *args), {}), dict(pool_slots=False),
             cache_first=False, options=options)
     return calls

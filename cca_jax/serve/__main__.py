@@ -23,7 +23,7 @@ import threading
 
 from cca_jax.cli import (UsageError, add_checkpoint_arg, add_model_args, attention_overrides,
                          check_checkpoint, enable_compile_cache, mesh_from_args)
-from cca_jax.serve.engine import EngineConfig
+from cca_jax.serve.engine_config import EngineConfig
 
 DEFAULTS = EngineConfig()
 

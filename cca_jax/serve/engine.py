@@ -35,128 +35,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
 import time
-import typing
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cca_jax import blocks
-from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_step_traced
-from cca_jax.kv_cache import CACHE_PROGRAM_COMPILER_OPTIONS, cache_bytes, init_cache
-from cca_jax.prefill import prefill_chunk_traced
-from cca_jax.sampling import check_sampling, sample_rows
+from cca_jax.kv_cache import cache_bytes, init_cache
+from cca_jax.sampling import check_sampling
+from cca_jax.serve import programs
+from cca_jax.serve.engine_config import TIME_SMOOTHING, EngineConfig, pick_interleaved_chunk
 from cca_jax.sharding import mesh_context
 
 log = logging.getLogger("cca_jax.serve")
 
-# The most alternatives a request may ask logprobs for (OpenAI's chat limit; completions: 5).
-TOP_LOGPROBS = 20
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # compiled or loaded
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"          # loaded from the disk cache
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """The engine's fixed shapes and limits (every program is compiled for these)."""
-    max_batch: int = 8        # B: rows of the cache, requests generating at once
-    max_len: int = 4096       # positions per row: prompt + max_tokens must fit
-    chunk_size: int = 512     # prompt tokens per prefill chunk while no row is decoding
-    prefill_rows: int = 1     # P: requests one prefill chunk carries (<= max_batch)
-    max_queue: int = 64       # requests waiting for a row; beyond it submit() refuses
-    # prompt tokens per prefill chunk while some row is decoding (bounds the inter-token
-    # time: one decode step plus one such chunk); None: chunk_size
-    decode_chunk_size: int | None = None
-    # with rows decoding, run the largest chunk (of `interleaved_chunk_sizes`: powers of two
-    # from decode_chunk_size to chunk_size, all compiled) whose measured time plus the
-    # decode step's keeps a turn within this many milliseconds; the smallest if none does.
-    # None: always decode_chunk_size
-    itl_target_ms: float | None = None
-    # on a GPU, prefill chunks of at most this many tokens (prefill_rows x chunk) run their
-    # layers unrolled (`prefill_chunk(unroll_layers=True)`: weights read in place, ~4 ms a
-    # chunk less at the 7B shape, a compile several times longer); 0: never
-    unroll_chunk_tokens: int = 512
-    # compile the prefill and decode programs at start-up in threads at once (XLA compiles
-    # outside the GIL), so that a cold start may wait for the longest compile, not their
-    # sum. Off by default: on a 2-core CPU it started slower (16 layers: 18.29 s against
-    # 17.88, benchmarks/results/research/serve_parallel_compile_cpu.md); whether the GPU's
-    # compiles overlap is still to measure (benchmarks/research/decode_compile_probe.py
-    # --parallel)
-    parallel_compile: bool = False
-
-    def unrolls(self, chunk: int) -> bool:
-        """Whether this engine's prefill chunk of `chunk` tokens a row runs unrolled."""
-        tokens = self.prefill_rows * chunk
-        return jax.default_backend() == "gpu" and tokens <= self.unroll_chunk_tokens
-
-    @property
-    def interleaved_chunk_sizes(self) -> tuple[int, ...]:
-        """The chunk lengths that may run while rows decode: decode_chunk_size, or with
-        `itl_target_ms` also its doublings below chunk_size, and chunk_size."""
-        smallest = self.decode_chunk_size or self.chunk_size
-        if self.itl_target_ms is None:
-            return (smallest,)
-        sizes = [smallest]
-        while sizes[-1] * 2 < self.chunk_size:
-            sizes.append(sizes[-1] * 2)
-        return tuple(sorted(set(sizes) | {self.chunk_size}))
-
-    @property
-    def chunk_sizes(self) -> tuple[int, ...]:
-        """The prefill chunk lengths the engine runs (each one compiled program)."""
-        return tuple(sorted({self.chunk_size, *self.interleaved_chunk_sizes}))
-
-    def check(self) -> None:
-        for name in ("max_batch", "max_len", "chunk_size", "prefill_rows", "decode_chunk_size"):
-            value = getattr(self, name)
-            if name == "decode_chunk_size" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
-        if self.decode_chunk_size is not None and self.decode_chunk_size > self.chunk_size:
-            raise ValueError(f"decode_chunk_size ({self.decode_chunk_size}) must be <= "
-                             f"chunk_size ({self.chunk_size}): it is the smaller chunk that "
-                             "runs between decode steps.")
-        if isinstance(self.unroll_chunk_tokens, bool) or \
-                not isinstance(self.unroll_chunk_tokens, int) or self.unroll_chunk_tokens < 0:
-            raise ValueError(f"unroll_chunk_tokens must be an int >= 0, got "
-                             f"{self.unroll_chunk_tokens!r}.")
-        if self.itl_target_ms is not None:
-            if isinstance(self.itl_target_ms, bool) or \
-                    not isinstance(self.itl_target_ms, (int, float)) or self.itl_target_ms <= 0:
-                raise ValueError(f"itl_target_ms must be a positive number of milliseconds, "
-                                 f"got {self.itl_target_ms!r}.")
-            if (self.decode_chunk_size or self.chunk_size) >= self.chunk_size:
-                raise ValueError("itl_target_ms chooses among chunk lengths from "
-                                 "decode_chunk_size up to chunk_size: set decode_chunk_size "
-                                 "below chunk_size.")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
-        if self.prefill_rows > self.max_batch:
-            raise ValueError(f"prefill_rows ({self.prefill_rows}) must be <= max_batch "
-                             f"({self.max_batch}).")
-
-
-# Weight of a new measurement in the running time of a program (`Engine._timed`).
-TIME_SMOOTHING = 0.25
-
-
-def pick_interleaved_chunk(sizes, chunk_ms: dict, budget_ms: float, remaining: int) -> int:
-    """The chunk length to run while rows decode: of the `sizes` whose running time
-    (`chunk_ms`, ms; unmeasured ones never fit) is within `budget_ms`, the smallest that
-    holds the `remaining` prompt tokens, else the largest; the smallest size if none fits."""
-    fitting = [n for n in sizes if chunk_ms.get(n, float("inf")) <= budget_ms]
-    if not fitting:
-        return min(sizes)
-    holding = [n for n in fitting if n >= remaining]
-    return min(holding) if holding else max(fitting)
 
 
 class QueueFull(Exception):
@@ -179,14 +78,6 @@ class Request:
     stop_at_eos: bool = True
     # None: no logprobs; n >= 0: each token's logprob and the n likeliest alternatives'
     logprobs: int | None = None
-
-
-class TokenLogprobs(typing.NamedTuple):
-    """A generated token's logprob and the likeliest alternatives (ids, logprobs), as many
-    as its request asked for: the model's log-softmax, before temperature and filters."""
-    logprob: float
-    top_ids: tuple
-    top_logprobs: tuple
 
 
 @dataclasses.dataclass
@@ -215,7 +106,7 @@ class StepTimes:
 # on_event(token, None) for every generated token (an end-of-sequence token is not passed),
 # then on_event(None, reason) once: "stop" (end of sequence), "length" (max_tokens),
 # "cancelled" or "error". For a request with `logprobs`, a token's event carries a third
-# argument, its `TokenLogprobs`. Called on the engine thread: it must return quickly.
+# argument, its `programs.TokenLogprobs`. Called on the engine thread: it must return quickly.
 EventCallback = Callable[..., None]
 
 
@@ -232,67 +123,6 @@ class Sequence:
     cancelled: bool = False
     finish_reason: str | None = None
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",),
-                   compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
-def _reset_rows(cache, rows_mask):
-    """Rows where `rows_mask` start over at position 0."""
-    return cache.replace(lengths=jnp.where(rows_mask, 0, cache.lengths))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("unroll",),
-                   compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
-def _prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
-                        top_p, *, unroll=False):
-    """One prefill chunk into cache rows `rows` [P], then each row's first token (its token
-    0) sampled from the logits after its last prompt token (`unroll`: the layers unrolled).
-    -> (tokens [P], those logits [P, V] float32, cache)."""
-    cache, logits = prefill_chunk_traced(model_state, cache, ids, n_valid, rows=rows,
-                                         unroll_layers=unroll)
-    first = sample_rows(logits, seeds, jnp.zeros_like(seeds), temperature, top_k, top_p)
-    return first, logits, cache
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("pool_slots",),
-                   compiler_options=dict(DECODE_COMPILER_OPTIONS))
-def _decode_and_sample(model_state, cache, tokens, active, seeds, steps, temperature, top_k,
-                       top_p, *, pool_slots):
-    """One decode step of every active row, then its next token (token `steps[b]` of row b).
-    -> (tokens [B], the logits they were drawn from [B, V] float32, cache). The logits stay
-    on the device unless a row's request asked for logprobs: no work is added to a step."""
-    logits, cache = decode_step_traced(model_state, cache, tokens, active,
-                                       pool_slots=pool_slots)
-    return sample_rows(logits, seeds, steps, temperature, top_k, top_p), logits, cache
-
-
-@jax.jit
-def _token_logprobs(logits, tokens):
-    """(logprob of `tokens` [N], the `TOP_LOGPROBS` likeliest ids [N, k], their logprobs
-    [N, k]): the log-softmax of the raw float32 logits (before temperature and filters, as
-    OpenAI reports them). Run only after a program some row asked logprobs of."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
-    return chosen, top_ids, top_lp
-
-
-def _fetch_logprobs(logits, tokens, seqs, force: bool = False):
-    """`_token_logprobs` on the host, if some row's request asked for logprobs (or `force`:
-    the warm-up compiles it), else None."""
-    if force or any(s is not None and s.request.logprobs is not None for s in seqs):
-        return jax.device_get(_token_logprobs(logits, tokens))
-    return None
-
-
-def _row_logprobs(logprobs, i: int, seq) -> TokenLogprobs | None:
-    """Row `i`'s `TokenLogprobs`, cut to what its request asked for (None if none)."""
-    n = seq.request.logprobs
-    if logprobs is None or n is None:
-        return None
-    chosen, ids, lps = logprobs
-    return TokenLogprobs(float(chosen[i]), tuple(int(t) for t in ids[i, :n]),
-                         tuple(float(x) for x in lps[i, :n]))
 
 
 class Engine:
@@ -365,8 +195,8 @@ class Engine:
         check_sampling(request.temperature, request.top_k, request.top_p)
         n = request.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int)
-                              or not 0 <= n <= TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int from 0 to {TOP_LOGPROBS}, "
+                              or not 0 <= n <= programs.TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int from 0 to {programs.TOP_LOGPROBS}, "
                              f"got {n!r}.")
         need = len(prompt) + request.max_tokens
         if need > self.config.max_len:
@@ -478,7 +308,7 @@ class Engine:
         token), so that every one is compiled before the first request (with
         `parallel_compile`, the prefill and decode programs all at once first)."""
         b, p = self.config.max_batch, self.config.prefill_rows
-        self._cache = _reset_rows(self._cache, np.zeros(b, bool))
+        self._cache = programs.reset_rows(self._cache, np.zeros(b, bool))
         rows = None if p == b else np.arange(p, dtype=np.int32)
         if self.config.parallel_compile:
             self._compile_at_once(rows)
@@ -516,14 +346,14 @@ class Engine:
         lowered = []
         with mesh_context(self.mesh):
             for chunk in self.config.chunk_sizes:
-                lowered.append(_prefill_and_sample.lower(
+                lowered.append(programs.prefill_and_sample.lower(
                     self._model_state, self._cache, rows, np.zeros((p, chunk), np.int32),
                     np.zeros(p, np.int32), *self._settings([None] * p),
                     unroll=self.config.unrolls(chunk)))
             zeros = np.zeros(b, np.int32)
             seeds, *sampling = self._settings([None] * b)
             for pool in self._pool_programs():
-                lowered.append(_decode_and_sample.lower(
+                lowered.append(programs.decode_and_sample.lower(
                     self._model_state, self._cache, zeros, np.zeros(b, bool), seeds, zeros,
                     *sampling, pool_slots=pool))
         with concurrent.futures.ThreadPoolExecutor(len(lowered)) as threads:
@@ -552,7 +382,7 @@ class Engine:
         if admitted:
             mask = np.zeros(self.config.max_batch, bool)
             mask[[s.row for s in admitted]] = True
-            self._cache = _reset_rows(self._cache, mask)
+            self._cache = programs.reset_rows(self._cache, mask)
         self._prefill_once()
         self._decode_once()
         self._count(turns=1, turn_seconds=time.perf_counter() - begin)
@@ -590,10 +420,10 @@ class Engine:
 
     def _run_prefill(self, rows, ids, n_valid, seqs, warm_up: bool = False):
         with mesh_context(self.mesh):   # activation constraints; part of jit's cache key
-            tokens, logits, self._cache = _prefill_and_sample(
+            tokens, logits, self._cache = programs.prefill_and_sample(
                 self._model_state, self._cache, rows, ids, n_valid, *self._settings(seqs),
                 unroll=self.config.unrolls(ids.shape[1]))
-            logprobs = _fetch_logprobs(logits, tokens, seqs, force=warm_up)
+            logprobs = programs.fetch_logprobs(logits, tokens, seqs, force=warm_up)
         return np.asarray(tokens), logprobs
 
     def _run_decode(self, active, seqs, pool, warm_up: bool = False):
@@ -601,10 +431,10 @@ class Engine:
         steps = np.array([s.generated if s is not None else 0 for s in seqs], np.int32)
         seeds, temperature, top_k, top_p = self._settings(seqs)
         with mesh_context(self.mesh):
-            out, logits, self._cache = _decode_and_sample(
+            out, logits, self._cache = programs.decode_and_sample(
                 self._model_state, self._cache, tokens, active, seeds, steps, temperature,
                 top_k, top_p, pool_slots=pool)
-            logprobs = _fetch_logprobs(logits, out, seqs, force=warm_up)
+            logprobs = programs.fetch_logprobs(logits, out, seqs, force=warm_up)
         return np.asarray(out), logprobs
 
     def _prefill_once(self) -> None:
@@ -645,7 +475,7 @@ class Engine:
         for i, seq in zip(slots, batch):
             seq.prefilled += int(n_valid[i])
             if seq.prefilled == len(seq.request.prompt):
-                self._take_token(seq, int(tokens[i]), _row_logprobs(logprobs, i, seq))
+                self._take_token(seq, int(tokens[i]), programs.row_logprobs(logprobs, i, seq))
 
     def _interleaved_chunk(self, batch) -> int:
         """The chunk length while rows decode: decode_chunk_size, or with `itl_target_ms`
@@ -675,7 +505,7 @@ class Engine:
         self._count(decode_steps=1, decode_tokens=int(active.sum()), decode_seconds=seconds)
         for row in np.flatnonzero(active):
             self._take_token(seqs[row], int(tokens[row]),
-                             _row_logprobs(logprobs, row, seqs[row]))
+                             programs.row_logprobs(logprobs, row, seqs[row]))
 
     def _count(self, **amounts) -> None:
         with self._cond:   # stats() reads them from other threads
