@@ -181,3 +181,19 @@ def test_the_mosaic_forward_is_lowered_once_for_alike_layers(tmp_path):
     calls = {r["kernel_jit"]: r["mosaic_calls"] for r in records}
     assert calls == {False: 3, True: 2}, calls
     assert all(r["lower_s"] > 0 and r["module_mb"] > 0 for r in records)
+
+
+def test_fused_backward_estimate_counts_what_the_kernels_visit(tmp_path):
+    """The estimate's counts come from the kernels' visit tables: every kernel visits at
+    least the visible scores, and with no slots to visit (a window as long as the row) the
+    slot side has nothing to count; fusing saves two of seven products a visited block."""
+    from benchmarks.research import fused_backward_estimate as fbe
+    r = fbe.estimate(4096, hq=4, hkv=2, head_dim=64, group=16, window=256, backward_ms=10.0)
+    assert min(r["dq_visited_x"], r["raw_visited_x"], r["core_visited_x"]) >= 1.0
+    assert 5 / 7 - 0.05 < r["five_over_seven"] < 0.8
+    no_slots = fbe.estimate(512, hq=2, hkv=2, head_dim=64, group=16, window=512)
+    assert no_slots["core_visited_x"] is None and no_slots["raw_visited_x"] >= 1.0
+    assert no_slots["five_over_seven"] < 1.0
+    fbe.main(["--length", "1024", "--hq", "2", "--hkv", "1", "--head-dim", "64",
+              "--window", "256", "--out", str(tmp_path / "e")])
+    assert json.loads((tmp_path / "e.json").read_text())[0]["length"] == 1024
