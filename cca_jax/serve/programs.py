@@ -37,7 +37,7 @@ def reset_rows(cache, rows_mask):
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("unroll",),
                    compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
 def prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
-                        top_p, *, unroll=False):
+                       top_p, *, unroll=False):
     """One prefill chunk into cache rows `rows` [P], then each row's first token (its token
     0) sampled from the logits after its last prompt token (`unroll`: the layers unrolled).
     -> (tokens [P], those logits [P, V] float32, cache)."""
@@ -50,7 +50,7 @@ def prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperatur
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("pool_slots",),
                    compiler_options=dict(DECODE_COMPILER_OPTIONS))
 def decode_and_sample(model_state, cache, tokens, active, seeds, steps, temperature, top_k,
-                       top_p, *, pool_slots):
+                      top_p, *, pool_slots):
     """One decode step of every active row, then its next token (token `steps[b]` of row b).
     -> (tokens [B], the logits they were drawn from [B, V] float32, cache). The logits stay
     on the device unless a row's request asked for logprobs: no work is added to a step."""
