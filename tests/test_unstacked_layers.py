@@ -89,18 +89,20 @@ def test_prefill_chunk_and_decode_step_equal_the_stacked_model(models, unroll):
 
 def test_a_scanned_chunk_over_unstacked_layers_never_builds_the_stack():
     """Scanned, unstacked layers are picked one a step (`lax.switch`): the program's
-    temporaries hold about one layer's weights (as the stack's scan does), not all."""
-    cfg = TINY.replace(hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
+    temporaries hold about one layer's weights (as the stack's scan does), not all. (On the
+    H100 unstacked's were 3.8 MB against stacked's 3.2, of 3.3 MB a layer: the bound is
+    fewer than two layers', not the stack's own count.)"""
+    layers = 4
+    cfg = TINY.replace(hidden_size=256, intermediate_size=1024, num_hidden_layers=layers)
     stacked = build(cfg)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(stacked.layers)))
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(stacked.layers))) / layers
     temp = {}
     for name, model in (("stacked", stacked), ("unstacked", unstack_layers(stacked))):
         compiled = prefill_chunk.lower(nnx.split(model), init_cache(cfg, 1, MAX_LEN),
                                        jnp.zeros((1, 4), jnp.int32),
                                        jnp.asarray([4], jnp.int32)).compile()
         temp[name] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp["unstacked"] <= temp["stacked"] and temp["unstacked"] < weight_bytes / 2, \
-        (temp, weight_bytes)
+    assert temp["unstacked"] < 2 * layer_bytes, (temp, layer_bytes)
 
 
 def test_consume_deletes_the_stack_and_keeps_the_rest():
@@ -113,6 +115,7 @@ def test_consume_deletes_the_stack_and_keeps_the_rest():
     assert_close(np.asarray(unstacked(ids())), want)
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (the CPU suite forces 8)")
 def test_unstacked_parameters_shard_by_the_table(models):
     """Every per-layer parameter is named by the sharding table, with the stacked one's
     placement less the layer axis, and the sharded model computes the same logits."""
