@@ -48,8 +48,17 @@ def _full_cudnn(q, k, v, g, s, n):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
+def _cca_mosaic_gpu_fused_dq(q, k, v, g, s, n):
+    """The Mosaic kernels with the fused backward (`MosaicBackwardConfig.fused_dq`): no dq
+    kernel, dQ reduce-added by the key-side kernels."""
+    from cca_jax.attention.pallas_mosaic_gpu import attention_mosaic_gpu
+    return attention_mosaic_gpu(q, k, v, CCA(g, s, n), interpret=False,
+                                backward_tiling={"fused_dq": True})
+
+
 IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca_pallas_gpu,
-         "cca_mosaic_gpu": _cca("mosaic_gpu"), "full_cudnn": _full_cudnn}
+         "cca_mosaic_gpu": _cca("mosaic_gpu"), "cca_mosaic_gpu_fused_dq": _cca_mosaic_gpu_fused_dq,
+         "full_cudnn": _full_cudnn}
 
 
 def _memory_bytes(compiled) -> int | None:

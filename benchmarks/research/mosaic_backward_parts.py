@@ -14,7 +14,9 @@ unrolled and as a while loop), the dq kernel, the dk/dv kernel
 program is compiled first, then all are timed one call each per round (median over
 --rounds). TFLOP/s count each kernel's products over the scores its rows see: forward 2
 (S, PV), dq 3 (S, dP, dS K), dk/dv and dck/dcv 4 (S^T, P^T dO, V dO^T, dS^T Q), over the
-raw (key side: raw keys) or slot (slots) scores of `raw_lo, core_lo, core_hi`. Writes
+raw (key side: raw keys) or slot (slots) scores of `raw_lo, core_lo, core_hi`; with
+`{"fused_dq": true}` (no dq kernel) the key-side kernels also make dQ, "dk/dv+dq" and
+"dck/dcv+dq", 5 products each, and the backward 10 per score instead of 14. Writes
 `<out>.json` (stamped records) and `<out>.md`.
 """
 
@@ -147,6 +149,17 @@ def _programs(cfg, interpret=None, lead: int = 0) -> dict:
         "dck/dcv": lambda *a: bw.keys_and_values(operands(*a), "core", cfg, interpret, lead),
         "backward": lambda *a: bw.mosaic_backward(*a, cfg, interpret=interpret, lead=lead),
     }
+    if cfg.fused_dq:   # no dq kernel: each key-side kernel adds dQ into a zeroed accumulator
+        for part in ("dq", "dk/dv", "dck/dcv"):
+            del parts[part]
+
+        def fused(kind):
+            def fn(*a):
+                ops = operands(*a)
+                return bw.keys_values_and_dq(ops, kind, jnp.zeros(ops.q.shape, jnp.float32),
+                                             cfg, interpret, lead)
+            return fn
+        parts["dk/dv+dq"], parts["dck/dcv+dq"] = fused("raw"), fused("core")
     # Under the GPU interpreter the kernels run op by op: jitted with the host side in one
     # program (two consumer warpgroups) they hang on a 2-core CPU, their simulated threads
     # starving the program's thread pool (pallas_kernels/mosaic_gpu/NOTES.md).
@@ -197,7 +210,9 @@ def main(argv=None):
         bwd_inputs = jax.block_until_ready((q, k, v, ck, cv, *bounds, out, lse, dout))
         raw, core = _visible(*(b[0] for b in bounds))
         flops = {"forward": 4 * (raw + core), "dq": 6 * (raw + core), "dk/dv": 8 * raw,
-                 "dck/dcv": 8 * core, "backward": 14 * (raw + core)}
+                 "dck/dcv": 8 * core, "backward": 14 * (raw + core),
+                 "dk/dv+dq": 10 * raw, "dck/dcv+dq": 10 * core,
+                 "backward[fused]": 10 * (raw + core)}
         tilings = [("forward", "", forward, fwd_inputs)]
         dck, dcv = (jax.random.normal(x, ck.shape, ck.dtype)
                     for x in jax.random.split(keys[3], 2))
@@ -215,7 +230,10 @@ def main(argv=None):
             key = (hkv, part, label)
             rec = dict(base, part=part, backward_tiling=label, L=args.length, hq=args.hq,
                        hkv=hkv, d=args.d, g=args.g, s=args.s, sink_tokens=args.sinks, b=1,
-                       dtype="bfloat16", flops=flops.get(part, 0) * args.d * args.hq)
+                       dtype="bfloat16")
+            counted = "backward[fused]" if part == "backward" and "fused_dq=True" in label \
+                else part
+            rec["flops"] = flops.get(counted, 0) * args.d * args.hq
             try:
                 calls[key] = (fn.lower(*inputs).compile() if hasattr(fn, "lower") else fn,
                               inputs)

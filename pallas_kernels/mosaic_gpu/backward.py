@@ -7,7 +7,8 @@ forward's log2-sum-exp, and builds the block-visit tables from `cca_jax.blocks` 
 place that arithmetic lives): the forward's tables for dq, `key_visit_tables` for the
 key-side kernels. Three kernels, no atomics: dq per query block, dk/dv per raw key block
 (GQA summed in registers), dck/dcv per slot block (the key-side ones as a dK and a dV kernel
-each with `cfg.split_keys`).
+each with `cfg.split_keys`). With `cfg.fused_dq` two: the key-side kernels also add dQ into
+one float32 accumulator (reduce-adds: its last bits vary run to run).
 """
 
 from __future__ import annotations
@@ -90,6 +91,31 @@ def keys_and_values(ops: BackwardOperands, kind: str, cfg: MosaicBackwardConfig,
             key_grads(*args, interpret=interpret, outputs=("dv",), row_offset=lead)[0])
 
 
+def keys_values_and_dq(ops: BackwardOperands, kind: str, acc, cfg: MosaicBackwardConfig,
+                       interpret=None, lead: int = 0):
+    """(dK, dV, acc + dS K) of the raw keys or the slots (as `keys_and_values`) by the fused
+    key-side kernel (`cfg.fused_dq`): `acc` a float32 dq accumulator shaped like `ops.q`."""
+    keys, values, tables = ((ops.k, ops.v, ops.raw_tables) if kind == "raw"
+                            else (ops.ck, ops.cv, ops.slot_tables))
+    return key_grads(ops.q, ops.dout, ops.stats, ops.bounds, keys, values, tables.cta,
+                     tables.wg, kind, cfg, interpret=interpret, row_offset=lead, dq=acc)
+
+
+def fused_gradients(ops: BackwardOperands, cfg: MosaicBackwardConfig, interpret=None,
+                    lead: int = 0, slots: bool = True):
+    """(dq `[B, Lp, Hq, D]`, dK, dV, dck, dcv) by the key-side kernels alone: dq summed in
+    float32 by both (the raw keys' kernel, then the slots' unless `slots` is False: m = 0),
+    scaled and cast once."""
+    acc = jnp.zeros(ops.q.shape, jnp.float32)
+    dk, dv, acc = keys_values_and_dq(ops, "raw", acc, cfg, interpret, lead)
+    if slots:
+        dck, dcv, acc = keys_values_and_dq(ops, "core", acc, cfg, interpret, lead)
+    else:
+        dck, dcv = jnp.zeros_like(ops.ck), jnp.zeros_like(ops.cv)
+    dq = (acc * softmax_scale(cfg, ops.q.shape[-1])).astype(ops.q.dtype)
+    return dq, dk, dv, dck, dcv
+
+
 def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
                     cfg: MosaicBackwardConfig, interpret=None, lead: int = 0):
     """(dq, dk, dv, dck, dcv) of `mosaic_core_attention` (unpadded rows and slots; head dim
@@ -101,12 +127,15 @@ def mosaic_backward(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout,
     length, m = q.shape[1], ck.shape[1]
     ops = backward_operands(q, k, v, ck, cv, raw_lo, core_lo, core_hi, out, lse, dout, cfg,
                             lead, interpret is not None)
-    dq = query_grads(ops, cfg, interpret, lead)
-    dk, dv = keys_and_values(ops, "raw", cfg, interpret, lead)
-    if m == 0:
-        dck, dcv = jnp.zeros_like(ck), jnp.zeros_like(cv)
+    if cfg.fused_dq:
+        dq, dk, dv, dck, dcv = fused_gradients(ops, cfg, interpret, lead, slots=m > 0)
     else:
-        dck, dcv = keys_and_values(ops, "core", cfg, interpret, lead)
+        dq = query_grads(ops, cfg, interpret, lead)
+        dk, dv = keys_and_values(ops, "raw", cfg, interpret, lead)
+        if m == 0:
+            dck, dcv = jnp.zeros_like(ck), jnp.zeros_like(cv)
+        else:
+            dck, dcv = keys_and_values(ops, "core", cfg, interpret, lead)
     if lead:
         lead_grads = lead_gradients(q[:, :lead], k[:, :lead], v[:, :lead], raw_lo[:, :lead],
                                     dout[:, :lead], softmax_scale(cfg, q.shape[-1]))

@@ -27,6 +27,24 @@ NARROW_CHOICES = (0, 16, 32)
 WIDE_HEAD_DIM = 256
 WIDE_FORWARD_DEFAULTS = {"block_kv": 64, "stages": 2}
 WIDE_BACKWARD_DEFAULTS = {"compute_wgs": 1, "stages": 2, "split_keys": True}
+# The fused backward's key-side kernels add dS^T tiles (two buffers) and a float32 dQ staging
+# tile to their shared memory: with 3 ring stages that is 228 KiB at D = 128, so 2.
+FUSED_DQ_DEFAULTS = {"stages": 2}
+FUSED_DQ_HEAD_DIMS = (64, 128)
+
+
+def swizzle_bytes(row_bytes: int):
+    """The shared-memory swizzle of tiles with rows of `row_bytes`: the widest of 128, 64
+    and 32 bytes that divides a row (None if none does)."""
+    return next((w for w in (128, 64, 32) if row_bytes % w == 0), None)
+
+
+def fused_dq_by_columns(head_dim: int, compute_wgs: int, itemsize: int = 2) -> bool:
+    """How the fused backward's consumers share a step's dQ = dS K: by columns (each half
+    of D over both warpgroups' keys) when a half is whole swizzle tiles of the K tiles
+    (D = 128), else each over its own keys and all of D (D = 64: twice the reduce-adds)."""
+    width = head_dim // compute_wgs
+    return compute_wgs > 1 and width % (swizzle_bytes(head_dim * itemsize) // itemsize) == 0
 
 
 def softmax_scale(cfg, head_dim: int) -> float:
@@ -160,6 +178,11 @@ class MosaicBackwardConfig(NamedTuple):
         recomputes the scores: one more product per step) where both would not fit a
         thread's registers: D = 256.
     narrow_block: dq kernel: keys of its narrow head (the forward's `narrow_block`); 0: off.
+    fused_dq: no dq kernel: the key-side kernels also compute dQ = dS K (both consumer
+        warpgroups' keys: each warpgroup half of D's columns) and add it into a float32
+        accumulator by TMA reduce-adds. Five products per visited block instead of seven,
+        but dq's last bits vary run to run (the adds' order). `key_block_q` 64, joint dK/dV,
+        kernel head dims 64 and 128; 2 stages by default.
     paired_scores: dq kernel: issue S = Q K^T and dP = dO V^T together before one wait,
         instead of one after the other (`pipeline.two_scores`). On by default: at 128K, Hkv 8
         on the H200, dq 30.03 ms against 30.79, the whole backward 72.37 against 74.92, in one
@@ -175,6 +198,7 @@ class MosaicBackwardConfig(NamedTuple):
     split_keys: bool = False
     narrow_block: int = 16
     paired_scores: bool = True
+    fused_dq: bool = False
     softmax_head_dim: int = 0
 
     @property
@@ -202,9 +226,12 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
     _choice("compute_wgs", cfg.compute_wgs, (1, 2))
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
-    for name in ("split_keys", "paired_scores"):
+    for name in ("split_keys", "paired_scores", "fused_dq"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+    if cfg.fused_dq and (cfg.split_keys or cfg.key_block_q != 64):
+        raise ValueError(f"fused_dq needs key_block_q=64 and split_keys=False (its dS^T and "
+                         f"dQ tiles take the shared memory and registers), got {cfg}.")
     _check_narrow(cfg)
     if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
             or cfg.softmax_head_dim < 0:
@@ -224,13 +251,26 @@ def backward_shared_memory_bytes(cfg: MosaicBackwardConfig, head_dim: int,
         + (3 * 8 if cfg.narrow_block else 0)
     keys = (2 * wgs * KEY_ROWS + 2 * stages * cfg.key_block_q) * head_dim * itemsize \
         + stages * cfg.key_block_q * (3 + 2) * 4 + barriers
-    return {"dq": dq, "keys": keys}
+    if not cfg.fused_dq:
+        return {"dq": dq, "keys": keys}
+    # two buffers of every warpgroup's dS^T, the float32 dQ staging tiles, one barrier
+    staging = head_dim if fused_dq_by_columns(head_dim, wgs, itemsize) else wgs * head_dim
+    fused = 2 * wgs * KEY_ROWS * cfg.key_block_q * itemsize + cfg.key_block_q * staging * 4
+    return {"keys": keys + fused + 8}
+
+
+def _check_fused_head_dim(fused_dq: bool, head_dim: int) -> None:
+    if fused_dq and head_dim not in FUSED_DQ_HEAD_DIMS:
+        raise ValueError(f"fused_dq runs kernel head dims {FUSED_DQ_HEAD_DIMS} (a float32 dQ "
+                         f"half per thread must fit beside dK and dV), got {head_dim}: pass "
+                         "fused_dq=False.")
 
 
 def check_backward_shared_memory(cfg: MosaicBackwardConfig, head_dim: int,
                                  itemsize: int = 2) -> None:
     """ValueError naming the fix when a backward kernel's tiles exceed sm_90's shared
     memory."""
+    _check_fused_head_dim(cfg.fused_dq, head_dim)
     for kernel, need in backward_shared_memory_bytes(cfg, head_dim, itemsize).items():
         if need > SMEM_LIMIT_BYTES:
             block = "block_kv" if kernel == "dq" else "key_block_q"
@@ -251,4 +291,7 @@ def mosaic_backward_config(*, head_dim: int = 128, **fields) -> MosaicBackwardCo
                              f"are {settable} (or pass backward='triton' to tune the "
                              f"Triton backward with its kernel_config fields).")
     defaults = WIDE_BACKWARD_DEFAULTS if head_dim >= WIDE_HEAD_DIM else {}
+    if fields.get("fused_dq"):
+        _check_fused_head_dim(True, head_dim)
+        defaults = {**defaults, **FUSED_DQ_DEFAULTS}
     return check_backward_config(MosaicBackwardConfig(**{**defaults, **fields}))

@@ -14,6 +14,13 @@ Per step, transposed (keys along rows): S^T = K Q^T, P^T = exp2(S^T c - lse), dV
 and dP^T = V dO^T (issued together), dS^T = P^T (dP^T - delta), dK += dS^T Q; masked only
 on edge blocks. `outputs` may ask for dK or dV alone (`MosaicBackwardConfig.split_keys`,
 D = 256): that kernel holds one accumulator and skips the other's products.
+
+Fused (`MosaicBackwardConfig.fused_dq`, no dq kernel): per step each consumer also writes its
+dS^T to shared memory (two buffers, by step parity), the consumers meet at a barrier, and
+each computes half of D's columns of dQ = dS K over both warpgroups' keys (A transposed
+from shared memory) and adds them into a float32 accumulator in global memory by a TMA
+reduce-add. jax's GPU interpreter has no reduction copies: there each CTA writes its dQ
+partials to a slice of its own, summed over the visited blocks afterwards.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import KEY_ROWS, MosaicBackwardConfig, softmax_scale
+from pallas_kernels.mosaic_gpu.config import (KEY_ROWS, MosaicBackwardConfig, fused_dq_by_columns,
+                                              softmax_scale)
 from pallas_kernels.mosaic_gpu.tables import Q_FIRST, Q_FULL_FIRST, Q_FULL_LAST, Q_LAST
 
 _LOG2E = math.log2(math.e)
@@ -38,10 +46,16 @@ OUTPUTS = (("dk", "dv"), ("dk",), ("dv",))
 
 def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref, *refs,
             cfg: MosaicBackwardConfig, kind: str, outputs: tuple, groups: int, scale: float,
-            interpreted: bool, row_offset: int):
+            interpreted: bool, row_offset: int, fused: bool):
+    """refs: (the dQ accumulator or partials, if fused), the `outputs`, the scratch."""
+    dq_ref, refs = (refs[0], refs[1:]) if fused else (None, refs)
     out_refs = dict(zip(outputs, refs))
+    scratch = refs[len(outputs):]
     (k_smem, v_smem, q_smem, do_smem, rows_smem, stats_smem,
-     k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free) = refs[len(outputs):]
+     k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free) = scratch[:13]
+    ds_smem, stage_smem, sync = scratch[13:] if fused else (None, None, None)
+    by_columns = fused and fused_dq_by_columns(k_ref.shape[-1], cfg.compute_wgs,
+                                               jnp.dtype(q_ref.dtype).itemsize)
     want_dk, want_dv = "dk" in outputs, "dv" in outputs
     bk, bq, stages, wgs = KEY_ROWS, cfg.key_block_q, cfg.stages, cfg.compute_wgs
     dtype = q_ref.dtype
@@ -84,6 +98,46 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
             return ((keys >= wide(as_cols(rows.at[1][...])))
                     & (keys < wide(as_cols(rows.at[2][...]))))
 
+        def meet():
+            """Both consumers here (fused, 2 warpgroups): each reads the other's tiles."""
+            if wgs > 1:
+                plgpu.barrier_arrive(sync.at[0])
+                plgpu.barrier_wait(sync.at[0])
+
+        def add_dq(s, block, ds_t):
+            """dQ of this step's rows += dS K: this warpgroup's share (`by_columns`)."""
+            buf = lax.rem(s, jnp.int32(2))
+            ds_smem.at[buf, wg][...] = ds_t
+            plgpu.commit_smem()
+            gi = 0 if groups == 1 else lax.div(s, per_head)
+            q_head = head if groups == 1 else head * groups + gi
+            rows = pl.ds(at_row(block * bq), bq)
+
+            def add(part, stage, cols):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage[...] = part
+                plgpu.commit_smem()
+                if interpreted:
+                    plgpu.copy_smem_to_gmem(stage,
+                                            dq_ref.at[tile, wg, batch, rows, q_head, cols])
+                else:
+                    plgpu.copy_smem_to_gmem(stage, dq_ref.at[batch, rows, q_head, cols],
+                                            reduction_op="add")
+            if not by_columns:    # own keys, all columns
+                add(pipeline.transposed_products([ds_smem.at[buf, wg]], [k_tile],
+                                                 interpreted), stage_smem.at[wg], slice(None))
+                return
+            meet()
+            width = k_ref.shape[-1] // wgs
+            for own_wg in range(wgs):     # static column slices of the swizzled K tiles
+                @pl.when(wg == own_wg)
+                def _():
+                    cols = slice(own_wg * width, (own_wg + 1) * width)
+                    add(pipeline.transposed_products(
+                        [ds_smem.at[buf, w] for w in range(wgs)],
+                        [k_smem.at[w, :, cols] for w in range(wgs)], interpreted),
+                        stage_smem.at[own_wg], cols)
+
         def step(s, block, carry, masked):
             """carry: the accumulators of `outputs`, in its order."""
             grads = dict(zip(outputs, carry))
@@ -104,10 +158,11 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
             else:
                 dpt = pipeline.scores(v_tile, do_tile, interpreted)
             if want_dk:
-                dst = pt * (dpt - wide(as_cols(stats.at[1][...])))
-                grads["dk"] = pipeline.accumulate(grads["dk"], dst.astype(dtype), q_tile,
-                                                  interpreted)
+                dst = (pt * (dpt - wide(as_cols(stats.at[1][...])))).astype(dtype)
+                grads["dk"] = pipeline.accumulate(grads["dk"], dst, q_tile, interpreted)
             plgpu.barrier_arrive(free.at[slot])
+            if fused:
+                add_dq(s, block, dst)
             return tuple(grads[name] for name in outputs)
 
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
@@ -120,6 +175,8 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
         carry = (zeros,) * len(outputs)
         carry = head_walk(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_walk,
                                                                       carry)
+        if fused and by_columns:
+            meet()    # the other warpgroup's last dQ product is done with this K tile
         # Written through the K (dK) and V (dV) tiles, which the walk is done reading.
         staged = {"dk": (k_tile, scale), "dv": (v_tile, 1.0)}
         for name, grad in zip(outputs, carry):
@@ -153,7 +210,7 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
 
 def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: str,
               cfg: MosaicBackwardConfig, interpret=None, outputs: tuple = ("dk", "dv"),
-              row_offset: int = 0):
+              row_offset: int = 0, dq=None):
     """The gradients named by `outputs` (dK, dV, in that order), shaped like `keys`,
     `values`: raw k, v `[B, Lp, Hkv, D]` (`kind="raw"`) or slots ck, cv `[B, Mp, Hq, D]`
     (`kind="core"`), from padded q, dO `[B, Lp, Hq, D]`, stats `[B, Hq, 2, Lp]` float32
@@ -161,12 +218,18 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
     and Mp multiples of `cfg.key_cta_rows` and `cfg.key_block_q`). `interpret`: None or the
     GPU interpreter's params. `row_offset` (`lead.py`): rows `[row_offset, row_offset +
     Lp)` of q/dO and, for raw keys, of k/v/dk/dv (Lp the bounds' length); the first
-    `row_offset` rows of dk/dv are left unwritten."""
+    `row_offset` rows of dk/dv are left unwritten.
+
+    `dq` (fused, `cfg.fused_dq`): a float32 accumulator shaped like q; then the result ends
+    with `dq` plus this kernel's sum of dS K (unscaled) over its keys."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     outputs = tuple(outputs)
     if outputs not in OUTPUTS:
         raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}.")
+    fused = dq is not None
+    if fused and (outputs != ("dk", "dv") or not cfg.fused_dq):
+        raise ValueError("dq is added by the joint dK/dV kernel of a fused_dq config only.")
     b, _, hq, d = q.shape
     heads = keys.shape[2]
     key_rows = bounds.shape[-1] if kind == "raw" else keys.shape[1]
@@ -190,22 +253,65 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
         plgpu.Barrier(num_barriers=stages),                    # stats landed
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # ring slot released
     )
+    if fused:
+        itemsize = jnp.dtype(q.dtype).itemsize
+        bq = cfg.key_block_q
+        by_columns = fused_dq_by_columns(d, wgs, itemsize)
+        width = d // wgs if by_columns else d
+        scratch += (
+            plgpu.SMEM((2, wgs, KEY_ROWS, bq), q.dtype,               # dS^T, two buffers
+                       transforms=pipeline.smem_transforms(bq, itemsize)),
+            plgpu.SMEM((wgs, bq, width), jnp.float32,                 # dQ staging
+                       transforms=pipeline.smem_transforms(width, 4)),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=1),          # consumers meet
+        )
     kernel = functools.partial(_kernel, cfg=cfg, kind=kind, outputs=outputs,
                                groups=hq // heads if kind == "raw" else 1,
                                scale=softmax_scale(cfg, d),
-                               interpreted=interpret is not None, row_offset=row_offset)
+                               interpreted=interpret is not None, row_offset=row_offset,
+                               fused=fused)
     like = {"dk": keys, "dv": values}
-    grads = plgpu.kernel(
-        kernel,
-        out_type=tuple(jax.ShapeDtypeStruct(like[name].shape, like[name].dtype)
-                       for name in outputs),
-        scratch_types=scratch,
-        grid=(heads, key_rows // cfg.key_cta_rows, b),
-        grid_names=("heads", "key_tiles", "batch"),
-        kernel_name="cca_dk_dv" if kind == "raw" else "cca_dck_dcv",
-        num_threads=wgs + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-    )(q, do, stats, bounds, keys, values, cta_visits, wg_visits)
-    return tuple(grads)
+    out_type = tuple(jax.ShapeDtypeStruct(like[name].shape, like[name].dtype)
+                     for name in outputs)
+    tiles_n = key_rows // cfg.key_cta_rows
+    launch = dict(grid=(heads, tiles_n, b), grid_names=("heads", "key_tiles", "batch"),
+                  kernel_name="cca_dk_dv" if kind == "raw" else "cca_dck_dcv",
+                  num_threads=wgs + 1, thread_name="wg")
+    params = plgpu.CompilerParams(approx_math=True)
+    operands = (q, do, stats, bounds, keys, values, cta_visits, wg_visits)
+    if not fused:
+        return tuple(plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
+                                  compiler_params=params, interpret=interpret,
+                                  **launch)(*operands))
+    if interpret is not None:   # no reduction copies: per-CTA partials, summed here
+        parts, *grads = plgpu.kernel(
+            kernel, out_type=(jax.ShapeDtypeStruct((tiles_n, wgs, *dq.shape), jnp.float32),
+                              *out_type),
+            scratch_types=scratch, compiler_params=params, interpret=interpret,
+            **launch)(*operands)
+        return (*grads, dq + _visited_sum(parts, cta_visits, cfg.key_block_q, row_offset,
+                                          by_columns))
+    acc = jax.new_ref(dq)   # aliased in and out of the kernel
+    mesh = plgpu.Mesh(**launch)
+
+    def body(*refs):
+        pl.run_scoped(functools.partial(kernel, *refs), *scratch, collective_axes="wg")
+    grads = pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params,
+                      name=launch["kernel_name"])(*operands, acc)
+    return (*grads, acc[...])
+
+
+def _visited_sum(parts, cta_visits, block_q: int, row_offset: int, by_columns: bool):
+    """The interpreted fused kernel's dQ partials `[tiles, wgs, B, rows, Hq, D]` summed,
+    each counting only what was written: the query blocks its CTA walked, and (by columns)
+    its warpgroup's columns."""
+    tiles, wgs, _, rows, _, d = parts.shape
+    first, last = cta_visits[..., Q_FIRST], cta_visits[..., Q_LAST]     # [B, tiles]
+    block = (jnp.arange(rows) - row_offset) // block_q
+    seen = (block >= first[..., None]) & (block < last[..., None]) \
+        & (jnp.arange(rows) >= row_offset)                               # [B, tiles, rows]
+    seen = jnp.swapaxes(seen, 0, 1)[:, None, :, :, None, None]
+    owner = jnp.arange(d) // (d // wgs) if by_columns else None
+    if owner is not None:
+        seen = seen & (owner == jnp.arange(wgs)[:, None])[None, :, None, None, None, :]
+    return jnp.where(seen, parts, 0.0).sum(axis=(0, 1))

@@ -18,6 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu.config import swizzle_bytes
+
 # FA3's register split when two consumers share an SM with the producer.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
@@ -27,7 +29,7 @@ def smem_transforms(head_dim: int, itemsize: int = 2) -> tuple:
     """The shared-memory tiling and swizzle of `[rows, head_dim]` tiles: the widest swizzle
     (128, 64 or 32 bytes) that divides a row, in tiles of 8 rows by one swizzle width."""
     row = head_dim * itemsize
-    swizzle = next((w for w in (128, 64, 32) if row % w == 0), None)
+    swizzle = swizzle_bytes(row)
     if swizzle is None:
         raise ValueError(f"rows of {row} bytes (head_dim={head_dim}) are not a multiple of 32 "
                          "bytes: no shared-memory swizzle fits; use implementation='pallas_gpu' "
@@ -81,6 +83,23 @@ def two_scores(a_smem, b_smem, c_smem, d_smem, interpreted: bool):
         return first_ref[...], second_ref[...]
     return pl.run_scoped(products, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32),
                          plgpu.ACC((c_smem.shape[0], d_smem.shape[0]), jnp.float32))
+
+
+def transposed_products(a_tiles, b_tiles, interpreted: bool):
+    """float32 `sum_i a_i.T @ b_i` of shared-memory tiles `a_i` `[K, M]` and `b_i` `[K, N]`
+    (the fused backward's dQ = dS K from dS^T tiles): wgmmas with the A operand transposed
+    from shared memory into one accumulator, or (interpreter) plain dots."""
+    if interpreted:
+        return sum(lax.dot_general(a[...], b[...], (((0,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+                   for a, b in zip(a_tiles, b_tiles))
+    shape = (a_tiles[0].shape[1], b_tiles[0].shape[1])
+
+    def product(acc_ref):
+        for a, b in zip(a_tiles, b_tiles):
+            plgpu.wgmma(acc_ref, a.transpose((1, 0)), b)
+        return acc_ref[...]
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
 def accumulate(acc, a, b_smem, interpreted: bool):
