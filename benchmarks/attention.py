@@ -52,8 +52,7 @@ def _cca_mosaic_gpu_fused_dq(q, k, v, g, s, n):
     """The Mosaic kernels with the fused backward (`MosaicBackwardConfig.fused_dq`): no dq
     kernel, dQ reduce-added by the key-side kernels."""
     from cca_jax.attention.pallas_mosaic_gpu import attention_mosaic_gpu
-    return attention_mosaic_gpu(q, k, v, CCA(g, s, n), interpret=False,
-                                backward_tiling={"fused_dq": True})
+    return attention_mosaic_gpu(q, k, v, CCA(g, s, n), backward_tiling={"fused_dq": True})
 
 
 IMPLS = {"cca_xla": _cca("xla"), "cca_pallas_gpu": _cca_pallas_gpu,
