@@ -178,8 +178,8 @@ class MosaicBackwardConfig(NamedTuple):
         recomputes the scores: one more product per step) where both would not fit a
         thread's registers: D = 256.
     narrow_block: dq kernel: keys of its narrow head (the forward's `narrow_block`); 0: off.
-    fused_dq: no dq kernel: the key-side kernels also compute dQ = dS K (both consumer
-        warpgroups' keys: each warpgroup half of D's columns) and add it into a float32
+    fused_dq: no dq kernel: the key-side kernels also compute dQ = dS K (shared by the
+        consumer warpgroups as `fused_dq_by_columns` says) and add it into a float32
         accumulator by TMA reduce-adds. Five products per visited block instead of seven,
         but dq's last bits vary run to run (the adds' order). `key_block_q` 64, joint dK/dV,
         kernel head dims 64 and 128; 2 stages by default.

@@ -16,11 +16,12 @@ on edge blocks. `outputs` may ask for dK or dV alone (`MosaicBackwardConfig.spli
 D = 256): that kernel holds one accumulator and skips the other's products.
 
 Fused (`MosaicBackwardConfig.fused_dq`, no dq kernel): per step each consumer also writes its
-dS^T to shared memory (two buffers, by step parity), the consumers meet at a barrier, and
-each computes half of D's columns of dQ = dS K over both warpgroups' keys (A transposed
-from shared memory) and adds them into a float32 accumulator in global memory by a TMA
-reduce-add. jax's GPU interpreter has no reduction copies: there each CTA writes its dQ
-partials to a slice of its own, summed over the visited blocks afterwards.
+dS^T to shared memory (two buffers, by step parity) and computes its share of dQ = dS K (A
+transposed from shared memory): at D = 128 the consumers meet at a barrier and each takes
+half of D's columns over both warpgroups' keys; else (`config.fused_dq_by_columns`) each
+its own keys over all of D. It adds its share into a float32 accumulator in global memory
+by a TMA reduce-add. jax's GPU interpreter has no reduction copies: there each warpgroup
+writes its dQ partials to a slice of its own, summed over what it walked afterwards.
 """
 
 from __future__ import annotations
