@@ -146,8 +146,8 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     the defaults for the kernel head dim (`config.WIDE_FORWARD_DEFAULTS` at 256).
     Differentiable in q, k, v, ck, cv: `backward="mosaic"` (default: measured faster on the
     H200) runs the Mosaic GPU backward kernels (`backward_tiling`: MosaicBackwardConfig
-    overrides), `"triton"` the Triton-lowered ones (`backward_tiling`: their `kernel_config` overrides). Needs a Hopper
-    GPU to run; lowers for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`)
+    overrides), `"triton"` the Triton-lowered ones (`backward_tiling`: their `kernel_config`
+    overrides). Needs a Hopper GPU to run; lowers for "cuda" anywhere. `interpret=True` (or an `InterpretGPUParams`)
     runs it on the CPU in jax's GPU interpreter (slow: tiny shapes only; a Triton backward
     then in Triton's interpret mode).
     `lead_rows` N > 0 (`lead.py`; from `cca_jax.blocks.sinks_as_slots`): no row t >= N sees a

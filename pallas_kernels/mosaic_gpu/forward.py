@@ -3,8 +3,8 @@
 Inputs are padded (`api`): q `[B, Lp, Hq, D]`, k/v `[B, Lp, Hkv, D]`, slots ck/cv
 `[B, Mp, Hq, D]` (or any number of slot rows, one per batch row picked by `slot_rows`:
 a KV cache's, read in place), the per-row bounds stacked `[B, 3, Lp]` (raw_lo, core_lo,
-core_hi) and the two visit tables of `tables.visit_tables` (with `cfg.narrow_block` as their `narrow`). Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp
-`[B, Hq, Lp]` float32 (the Triton forward's convention, so its backward can reuse it).
+core_hi) and the two visit tables of `tables.visit_tables` (with `cfg.narrow_block` as their
+`narrow`). Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp `[B, Hq, Lp]` float32 (the Triton forward's convention, so its backward can reuse it).
 
 One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1` warpgroups:
   producer   (the last warpgroup) walks the CTA's steps: the narrow head if the CTA takes
@@ -16,8 +16,9 @@ One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1`
   consumers  each owns `block_q` rows: S = Q K^T on wgmma, ONE online softmax in base 2
              over all steps, O += P V on wgmma. A step is masked only where it is an edge
              block for that warpgroup's rows (split loops: masked / unmasked / masked per
-             kind; the narrow head is always masked), and a step outside a warpgroup's own range is fully masked (no skipping:
-             both consumers must walk the same steps of the shared ring).
+             kind; the narrow head is always masked), and a step outside a warpgroup's own
+             range is fully masked (no skipping: both consumers must walk the same steps of
+             the shared ring).
 The block ranges come from `cca_jax.blocks` via the tables: nothing is re-derived here.
 Masked scores are -inf and the running max starts at a finite -1e30, so a fully masked step
 changes nothing and no -inf - -inf occurs (raw blocks come first and every row sees its own
