@@ -4,7 +4,8 @@ Inputs are padded (`api`): q `[B, Lp, Hq, D]`, k/v `[B, Lp, Hkv, D]`, slots ck/c
 `[B, Mp, Hq, D]` (or any number of slot rows, one per batch row picked by `slot_rows`:
 a KV cache's, read in place), the per-row bounds stacked `[B, 3, Lp]` (raw_lo, core_lo,
 core_hi) and the two visit tables of `tables.visit_tables` (with `cfg.narrow_block` as their
-`narrow`). Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp `[B, Hq, Lp]` float32 (the Triton forward's convention, so its backward can reuse it).
+`narrow`). Outputs: out `[B, Lp, Hq, D]` and the log2-sum-exp `[B, Hq, Lp]` float32 (the
+Triton forward's convention, so its backward can reuse it).
 
 One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1` warpgroups:
   producer   (the last warpgroup) walks the CTA's steps: the narrow head if the CTA takes
