@@ -148,8 +148,8 @@ def blocked_attention_mosaic_gpu(q, k, v, ck, cv, raw_lo, core_lo, core_hi, *,
     H200) runs the Mosaic GPU backward kernels (`backward_tiling`: MosaicBackwardConfig
     overrides), `"triton"` the Triton-lowered ones (`backward_tiling`: their `kernel_config`
     overrides). Needs a Hopper GPU to run; lowers for "cuda" anywhere. `interpret=True` (or
-    an `InterpretGPUParams`) runs it on the CPU in jax's GPU interpreter (slow: tiny shapes only; a Triton backward
-    then in Triton's interpret mode).
+    an `InterpretGPUParams`) runs it on the CPU in jax's GPU interpreter (slow: tiny shapes
+    only; a Triton backward then in Triton's interpret mode).
     `lead_rows` N > 0 (`lead.py`; from `cca_jax.blocks.sinks_as_slots`): no row t >= N sees a
     raw key below N and rows t < N see no slot; the kernels then run rows [N, L) in their
     own frame and rows [0, N) are a dense N x N product. N is a multiple of 8
