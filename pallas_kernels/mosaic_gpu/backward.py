@@ -76,15 +76,20 @@ def query_grads(ops: BackwardOperands, cfg: MosaicBackwardConfig, interpret=None
                      row_offset=lead)
 
 
+def _key_kernel_args(ops: BackwardOperands, kind: str, cfg: MosaicBackwardConfig) -> tuple:
+    """`key_grads`' positional arguments for the raw keys (`kind="raw"`) or the slots."""
+    keys, values, tables = ((ops.k, ops.v, ops.raw_tables) if kind == "raw"
+                            else (ops.ck, ops.cv, ops.slot_tables))
+    return (ops.q, ops.dout, ops.stats, ops.bounds, keys, values, tables.cta, tables.wg,
+            kind, cfg)
+
+
 def keys_and_values(ops: BackwardOperands, kind: str, cfg: MosaicBackwardConfig,
                     interpret=None, lead: int = 0):
     """(dK, dV) of the raw keys (`kind="raw"`, `[B, Lp, Hkv, D]`, the first `lead` rows
     unwritten) or of the slots (`"core"`, `[B, Mp, Hq, D]`): one kernel, or one each with
     `cfg.split_keys`."""
-    keys, values, tables = ((ops.k, ops.v, ops.raw_tables) if kind == "raw"
-                            else (ops.ck, ops.cv, ops.slot_tables))
-    args = (ops.q, ops.dout, ops.stats, ops.bounds, keys, values, tables.cta, tables.wg,
-            kind, cfg)
+    args = _key_kernel_args(ops, kind, cfg)
     if not cfg.split_keys:
         return key_grads(*args, interpret=interpret, row_offset=lead)
     return (key_grads(*args, interpret=interpret, outputs=("dk",), row_offset=lead)[0],
@@ -95,10 +100,8 @@ def keys_values_and_dq(ops: BackwardOperands, kind: str, acc, cfg: MosaicBackwar
                        interpret=None, lead: int = 0):
     """(dK, dV, acc + dS K) of the raw keys or the slots (as `keys_and_values`) by the fused
     key-side kernel (`cfg.fused_dq`): `acc` a float32 dq accumulator shaped like `ops.q`."""
-    keys, values, tables = ((ops.k, ops.v, ops.raw_tables) if kind == "raw"
-                            else (ops.ck, ops.cv, ops.slot_tables))
-    return key_grads(ops.q, ops.dout, ops.stats, ops.bounds, keys, values, tables.cta,
-                     tables.wg, kind, cfg, interpret=interpret, row_offset=lead, dq=acc)
+    return key_grads(*_key_kernel_args(ops, kind, cfg), interpret=interpret, row_offset=lead,
+                     dq=acc)
 
 
 def fused_gradients(ops: BackwardOperands, cfg: MosaicBackwardConfig, interpret=None,
