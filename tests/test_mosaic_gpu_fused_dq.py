@@ -56,6 +56,27 @@ def test_fused_setting_errors(head_dim, fields, match):
         mosaic_backward_config(head_dim=head_dim, **fields)
 
 
+@pytest.mark.parametrize("by_columns", [True, False])
+def test_interpreted_partials_sum_only_what_each_warpgroup_wrote(by_columns):
+    """The interpreter's dQ partials (`[tiles, wgs, B, rows, Hq, D]`, unwritten entries
+    NaN here) summed over the query blocks each CTA walked, rows after the lead rows, and
+    (by columns) each warpgroup's own columns: 2 tiles, 2 warpgroups, 2-row blocks, 2 lead
+    rows; tile 0 walks frame blocks [0, 2), tile 1 blocks [1, 3)."""
+    from pallas_kernels.mosaic_gpu.keys import _visited_sum
+    from pallas_kernels.mosaic_gpu.tables import Q_FIRST, Q_LAST
+    visits = np.zeros((1, 2, max(Q_FIRST, Q_LAST) + 1), np.int32)
+    visits[0, :, Q_FIRST], visits[0, :, Q_LAST] = (0, 1), (2, 3)
+    parts = np.full((2, 2, 1, 8, 1, 4), np.nan, np.float32)
+    for tile, (first, last) in enumerate([(0, 2), (1, 3)]):
+        rows = slice(2 + 2 * first, 2 + 2 * last)
+        for wg in range(2):
+            cols = slice(2 * wg, 2 * wg + 2) if by_columns else slice(None)
+            parts[tile, wg, 0, rows, 0, cols] = 1.0 if by_columns else 0.5
+    got = _visited_sum(jnp.asarray(parts), jnp.asarray(visits), 2, 2, by_columns)
+    want = np.array([0, 0, 1, 1, 2, 2, 1, 1], np.float32)[:, None] * np.ones(4)
+    np.testing.assert_array_equal(np.asarray(got)[0, :, 0], want)
+
+
 # ---- CPU: cross-lowering ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,d,hq,hkv,m,kernels", [

@@ -309,8 +309,7 @@ def _visited_sum(parts, cta_visits, block_q: int, row_offset: int, by_columns: b
     tiles, wgs, _, rows, _, d = parts.shape
     first, last = cta_visits[..., Q_FIRST], cta_visits[..., Q_LAST]     # [B, tiles]
     block = (jnp.arange(rows) - row_offset) // block_q
-    seen = (block >= first[..., None]) & (block < last[..., None]) \
-        & (jnp.arange(rows) >= row_offset)                               # [B, tiles, rows]
+    seen = (block >= first[..., None]) & (block < last[..., None])     # [B, tiles, rows]
     seen = jnp.swapaxes(seen, 0, 1)[:, None, :, :, None, None]
     owner = jnp.arange(d) // (d // wgs) if by_columns else None
     if owner is not None:
