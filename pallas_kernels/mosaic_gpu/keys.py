@@ -311,7 +311,7 @@ def _visited_sum(parts, cta_visits, block_q: int, row_offset: int, by_columns: b
     block = (jnp.arange(rows) - row_offset) // block_q
     seen = (block >= first[..., None]) & (block < last[..., None])     # [B, tiles, rows]
     seen = jnp.swapaxes(seen, 0, 1)[:, None, :, :, None, None]
-    owner = jnp.arange(d) // (d // wgs) if by_columns else None
-    if owner is not None:
+    if by_columns:   # warpgroup w wrote columns [w d / wgs, (w + 1) d / wgs)
+        owner = jnp.arange(d) // (d // wgs)
         seen = seen & (owner == jnp.arange(wgs)[:, None])[None, :, None, None, None, :]
     return jnp.where(seen, parts, 0.0).sum(axis=(0, 1))
