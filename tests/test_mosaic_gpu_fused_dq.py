@@ -79,20 +79,19 @@ def test_interpreted_partials_sum_only_what_each_warpgroup_wrote(by_columns):
 
 # ---- CPU: cross-lowering ------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,d,hq,hkv,m,kernels", [
-    ("bfloat16", 128, 8, 2, 45, 3),   # forward, dk/dv+dq, dck/dcv+dq; dQ by column halves
-    ("float16", 64, 4, 4, 45, 3),     # D = 64: each warpgroup its own keys' dQ
-    ("bfloat16", 96, 8, 2, 0, 2),     # D = 96 padded to 128; no slots: no dck/dcv kernel
+@pytest.mark.parametrize("dtype,d,hq,hkv,m,wgs,kernels", [
+    ("bfloat16", 128, 8, 2, 45, 2, 3),  # forward, dk/dv+dq, dck/dcv+dq; dQ by column halves
+    ("float16", 64, 4, 4, 45, 2, 3),    # D = 64: each warpgroup its own keys' dQ
+    ("bfloat16", 96, 8, 2, 0, 1, 2),    # padded to 128, one warpgroup; no slots: no dck/dcv
 ])
-def test_fused_gradient_lowers_for_cuda(dtype, d, hq, hkv, m, kernels):
+def test_fused_gradient_lowers_for_cuda(dtype, d, hq, hkv, m, wgs, kernels):
     """jax.grad through the entry with `fused_dq`: no dq kernel, and the float32 dQ
     accumulator is aliased in and out of every key-side kernel (the reduce-adds' target)."""
-    for wgs in (2, 1):
-        text = _lowered_text(dtype, d, hq, hkv, 700, m, grad=True, backward="mosaic",
-                             backward_tiling=dict(FUSED, compute_wgs=wgs))
-        calls = [line for line in text.splitlines() if "mosaic_gpu_v2(" in line]
-        assert len(calls) == kernels and "xla.gpu.triton" not in text, wgs
-        assert sum("output_operand_alias" in line for line in calls) == kernels - 1, wgs
+    text = _lowered_text(dtype, d, hq, hkv, 700, m, grad=True, backward="mosaic",
+                         backward_tiling=dict(FUSED, compute_wgs=wgs))
+    calls = [line for line in text.splitlines() if "mosaic_gpu_v2(" in line]
+    assert len(calls) == kernels and "xla.gpu.triton" not in text
+    assert sum("output_operand_alias" in line for line in calls) == kernels - 1
 
 
 # ---- CPU, slow: the kernels in jax's GPU interpreter ----------------------------------------
