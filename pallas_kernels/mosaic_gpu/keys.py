@@ -47,16 +47,15 @@ OUTPUTS = (("dk", "dv"), ("dk",), ("dv",))
 
 def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref, *refs,
             cfg: MosaicBackwardConfig, kind: str, outputs: tuple, groups: int, scale: float,
-            interpreted: bool, row_offset: int, fused: bool):
-    """refs: (the dQ accumulator or partials, if fused), the `outputs`, the scratch."""
+            interpreted: bool, row_offset: int, fused: bool, by_columns: bool):
+    """refs: (the dQ accumulator or partials, if fused), the `outputs`, the scratch.
+    `by_columns` (fused): how the consumers share dQ (`config.fused_dq_by_columns`)."""
     dq_ref, refs = (refs[0], refs[1:]) if fused else (None, refs)
     out_refs = dict(zip(outputs, refs))
     scratch = refs[len(outputs):]
     (k_smem, v_smem, q_smem, do_smem, rows_smem, stats_smem,
      k_bar, v_bar, q_ready, do_ready, rows_ready, stats_ready, free) = scratch[:13]
     ds_smem, stage_smem, sync = scratch[13:] if fused else (None, None, None)
-    by_columns = fused and fused_dq_by_columns(k_ref.shape[-1], cfg.compute_wgs,
-                                               jnp.dtype(q_ref.dtype).itemsize)
     want_dk, want_dv = "dk" in outputs, "dv" in outputs
     bk, bq, stages, wgs = KEY_ROWS, cfg.key_block_q, cfg.stages, cfg.compute_wgs
     dtype = q_ref.dtype
@@ -176,7 +175,7 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
         carry = (zeros,) * len(outputs)
         carry = head_walk(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_walk,
                                                                       carry)
-        if fused and by_columns:
+        if by_columns:
             meet()    # the other warpgroup's last dQ product is done with this K tile
         # Written through the K (dK) and V (dV) tiles, which the walk is done reading.
         staged = {"dk": (k_tile, scale), "dv": (v_tile, 1.0)}
@@ -235,7 +234,8 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
     heads = keys.shape[2]
     key_rows = bounds.shape[-1] if kind == "raw" else keys.shape[1]
     wgs, stages = cfg.compute_wgs, cfg.stages
-    transforms = pipeline.smem_transforms(d, jnp.dtype(q.dtype).itemsize)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    transforms = pipeline.smem_transforms(d, itemsize)
 
     def tiles(n, rows):
         return plgpu.SMEM((n, rows, d), q.dtype, transforms=transforms)
@@ -254,10 +254,9 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
         plgpu.Barrier(num_barriers=stages),                    # stats landed
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # ring slot released
     )
+    by_columns = fused and fused_dq_by_columns(d, wgs, itemsize)
     if fused:
-        itemsize = jnp.dtype(q.dtype).itemsize
         bq = cfg.key_block_q
-        by_columns = fused_dq_by_columns(d, wgs, itemsize)
         width = d // wgs if by_columns else d
         scratch += (
             plgpu.SMEM((2, wgs, KEY_ROWS, bq), q.dtype,               # dS^T, two buffers
@@ -270,7 +269,7 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
                                groups=hq // heads if kind == "raw" else 1,
                                scale=softmax_scale(cfg, d),
                                interpreted=interpret is not None, row_offset=row_offset,
-                               fused=fused)
+                               fused=fused, by_columns=by_columns)
     like = {"dk": keys, "dv": values}
     out_type = tuple(jax.ShapeDtypeStruct(like[name].shape, like[name].dtype)
                      for name in outputs)
