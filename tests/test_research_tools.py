@@ -197,3 +197,32 @@ def test_fused_backward_estimate_counts_what_the_kernels_visit(tmp_path):
     fbe.main(["--length", "1024", "--hq", "2", "--hkv", "1", "--head-dim", "64",
               "--window", "256", "--out", str(tmp_path / "e")])
     assert json.loads((tmp_path / "e.json").read_text())[0]["length"] == 1024
+
+
+def test_call_overhead_loop_runs_every_call(tmp_path):
+    """The in-program timing loop must run its forward once per step: a loop XLA may shorten
+    (hoisting the call, or computing one element of it) would report a fraction of a call."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.research import call_overhead
+    counted = []
+
+    def impl(q, k, v, g, s, n):     # a forward whose every call leaves a trace at run time
+        jax.debug.callback(lambda: counted.append(1))
+        return q * 2 + k.mean() + v.mean()
+    looped = call_overhead._looped(impl, 16, 64, calls=5)
+    q, k, v = (jnp.full((1, 8, 1, 4), x, jnp.float32) for x in (1.0, 2.0, 3.0))
+    out = looped(q, k, v)
+    jax.block_until_ready(out)
+    assert len(counted) == 5
+    want = jnp.zeros_like(q)
+    for _ in range(5):      # the same chain of calls, one program each
+        q, k, v = (a.at[0, 0, 0, 0].set(want[0, 0, 0, 0]) for a in (q, k, v))
+        want = impl(q, k, v, 16, 64, 0)
+    assert jnp.array_equal(out, want)
+    call_overhead.main(["--impls", "cca_xla", "--length", "256", "--hq", "2", "--hkv", "1",
+                        "--head-dim", "64", "--calls", "2", "--rounds", "1",
+                        "--out", str(tmp_path / "co")])
+    record, = json.loads((tmp_path / "co.json").read_text())
+    assert record["in_program_ms"] > 0 and record["back_to_back_ms"] > 0
