@@ -78,12 +78,8 @@ SLOT_TILE = 8
 # op recomputed) and warned "Can't reduce memory use below ..." at every compile, which reads
 # as a copy of the cache; without it the 7B decode step at B 16 compiles in 57 s, not 67
 # (benchmarks/results/research/h100_2026-12-06d.md). Other backends ignore the option.
-# GEMM autotuning off (`xla_gpu_autotune_level` 0): it was three quarters of these programs'
-# compile and bought nothing. At the 7B shape, 8 rows of 128K, on an H100: a 256-token
-# chunk compiled in 11.2 s instead of 45.9 and ran 16.01 ms against 16.17, the decode step
-# 6.7 s instead of 19.7 and 11.11 ms against 11.40 (research/h100_2026-12-06i.md).
 CACHE_PROGRAM_COMPILER_OPTIONS = types.MappingProxyType(
-    {"xla_disable_hlo_passes": "rematerialization", "xla_gpu_autotune_level": 0})
+    {"xla_disable_hlo_passes": "rematerialization"})
 
 
 def slot_capacity(pattern: AttentionPattern, max_len: int) -> int:
