@@ -182,7 +182,8 @@ class MosaicBackwardConfig(NamedTuple):
         consumer warpgroups as `fused_dq_by_columns` says) and add it into a float32
         accumulator by TMA reduce-adds. Five products per visited block instead of seven,
         but dq's last bits vary run to run (the adds' order). `key_block_q` 64, joint dK/dV,
-        kernel head dims 64 and 128; 2 stages by default.
+        kernel head dims 64 and 128; 2 stages by default. Off by default: correct on an
+        H200 but slower (128K forward+backward 123.85 ms against 91.85; NOTES.md).
     paired_scores: dq kernel: issue S = Q K^T and dP = dO V^T together before one wait,
         instead of one after the other (`pipeline.two_scores`). On by default: at 128K, Hkv 8
         on the H200, dq 30.03 ms against 30.79, the whole backward 72.37 against 74.92, in one
