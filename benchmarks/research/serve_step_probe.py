@@ -117,8 +117,8 @@ COMPILE_EVENTS = 25   # the longest host events of a traced compile kept (--comp
 # buffers (CUDA graphs) record a program's kernels and replay them, updated when its buffers
 # move; XLA's GEMM autotuning off (each unrolled layer's matmuls read their weights at their
 # own offsets: is every layer's GEMM fusion autotuned anew, the slow part of the compile?
-# It was: the programs' own options turn it off since 2026-12-06, `autotune` back on at
-# XLA's default level)
+# It was: the chunk programs' own options turn it off since 2026-12-06 (the decode step's
+# again since 2026-12-07), `autotune` back on at XLA's default level)
 VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
             "no_autotune": {"xla_gpu_autotune_level": 0},
             "autotune": {"xla_gpu_autotune_level": 4},

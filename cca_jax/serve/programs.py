@@ -20,8 +20,9 @@ from cca_jax.sampling import sample_rows
 # 0): it was three quarters of their compile and bought nothing. At the 7B shape, 8 rows of
 # 128K, on an H100, a 256-token chunk compiled in 11.2 s instead of 45.9 and ran 16.01 ms
 # against 16.17 (research/h100_2026-12-06i.md). Not the decode steps (one product row per
-# batch row): with it off, one row at 128K decoded at 12.32 ms per token on the H200, where
-# the same decode program with it had taken 5.26 (research/h200_2026-12-07.md).
+# batch row): with it off, one row at 128K decoded at 12.32 ms per token on the H200
+# (research/h200_2026-12-07.md), against 5.26 there before and 6.66 on an H100 at the commit
+# before it was turned off, the decode program otherwise unchanged.
 CHUNK_COMPILER_OPTIONS = types.MappingProxyType(
     {**CACHE_PROGRAM_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0})
 
