@@ -222,7 +222,7 @@ def test_call_overhead_loop_runs_every_call(tmp_path):
         want = impl(q, k, v, 16, 64, 0)
     assert jnp.array_equal(out, want)
     call_overhead.main(["--impls", "cca_xla", "--length", "256", "--hq", "2", "--hkv", "1",
-                        "--head-dim", "64", "--calls", "2", "--rounds", "1",
+                        "--d", "64", "--calls", "2", "--rounds", "1",
                         "--out", str(tmp_path / "co")])
     record, = json.loads((tmp_path / "co.json").read_text())
     assert record["in_program_ms"] > 0 and record["back_to_back_ms"] > 0

@@ -1,7 +1,7 @@
 """Where a forward's wall time goes beyond its kernels: one call timed three ways.
 
     python benchmarks/research/call_overhead.py [--impls cca_mosaic_gpu,full_cudnn]
-        [--length 131072] [--hkv 8] [--calls 10] [--out DIR/call_overhead]
+        [--length 131072] [--hkv 8] [--d 128] [--calls 10] [--out DIR/call_overhead]
 
 At 128K on an H100 the Mosaic forward's kernels add up to 18.2 ms in a profile
 (`sinks_profile_h100_5190599.md`: no gap between them), while `benchmarks/attention.py`
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.attention import IMPLS  # noqa: E402
-from benchmarks.measure import median_ms, stamp  # noqa: E402
+from benchmarks.measure import (add_cca_shape_args, median_ms, stamp,  # noqa: E402
+                                table_heading, write_results)
 
 
 def _back_to_back_ms(fn, args, calls: int, rounds: int) -> float:
@@ -76,10 +77,7 @@ def measure(name: str, q, k, v, g: int, s: int, calls: int, rounds: int) -> dict
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", default="cca_mosaic_gpu,full_cudnn")
-    ap.add_argument("--length", type=int, default=131072)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_cca_shape_args(ap)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/research/call_overhead")
@@ -90,33 +88,28 @@ def main(argv=None):
         ap.error(f"unknown --impls {unknown}; choose from {sorted(IMPLS)}")
     keys = jax.random.split(jax.random.key(0), 3)
     shape = (1, args.length)
-    q = jax.random.normal(keys[0], (*shape, args.hq, args.head_dim), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (*shape, args.hkv, args.head_dim), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (*shape, args.hkv, args.head_dim), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (*shape, args.hq, args.d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (*shape, args.hkv, args.d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (*shape, args.hkv, args.d), jnp.bfloat16)
     tiny = jnp.ones((8,), jnp.float32)
     empty = jax.jit(lambda x: x + 1)
-    base = {**stamp(argv), "L": args.length, "hq": args.hq, "hkv": args.hkv,
-            "d": args.head_dim, "g": 16, "s": 1024, "calls": args.calls,
+    base = {**stamp(argv), "L": args.length, "hq": args.hq, "hkv": args.hkv, "d": args.d,
+            "g": args.g, "s": args.s, "calls": args.calls,
             "empty_sync_ms": median_ms(empty, (tiny,), warmup=3, iters=50)}
     records = []
     for name in names:
-        rec = {**base, **measure(name, q, k, v, 16, 1024, args.calls, args.rounds)}
+        rec = {**base, **measure(name, q, k, v, args.g, args.s, args.calls, args.rounds)}
         print(json.dumps(rec), flush=True)
         records.append(rec)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(records, f, indent=1)
     cols = ("impl", "sync_ms", "back_to_back_ms", "in_program_ms", "sync_minus_in_program_ms",
             "empty_sync_ms")
-    lines = [f"One forward timed three ways: L {args.length}, Hq {args.hq}, Hkv {args.hkv}, "
-             f"D {args.head_dim}, g 16, s 1024, bf16, {args.calls} calls; {base['device']}, "
-             f"jax {base['jax']}, {base['date']}, commit {base['commit']}",
-             f"Command: `{base['command']}`", "", "| " + " | ".join(cols) + " |",
-             "|" + " --- |" * len(cols)]
+    lines = table_heading(f"One forward timed three ways: L {args.length}, Hq {args.hq}, Hkv "
+                          f"{args.hkv}, D {args.d}, g {args.g}, s {args.s}, bf16, {args.calls} "
+                          "calls", base)
+    lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(r[c] if isinstance(r[c], str) else f"{r[c]:.3f}"
                                 for c in cols) + " |" for r in records]
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(args.out, records, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
