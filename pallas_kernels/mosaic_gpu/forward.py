@@ -201,15 +201,12 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
                           lambda: None, lambda: None)
 
         def walk(first, full_first, full_last, last, offset, visible, carry):
-            """Steps of blocks [first, last): unmasked on [full_first, full_last)."""
-            full_first = jnp.clip(full_first, first, last)
-            full_last = jnp.clip(full_last, full_first, last)
-
-            def body(mask):
-                return lambda j, carry: step(j - first + offset, j, carry, mask)
-            carry = lax.fori_loop(first, full_first, body(visible), carry)
-            carry = lax.fori_loop(full_first, full_last, body(None), carry)
-            return lax.fori_loop(full_last, last, body(visible), carry)
+            """Steps of blocks [first, last): masked by `visible` outside
+            [full_first, full_last)."""
+            def masked_step(s, block, carry, masked):
+                return step(s, block, carry, visible if masked else None)
+            return pipeline.walk(first, full_first, full_last, last, offset, masked_step,
+                                 carry)
 
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
         carry = (as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)),
