@@ -1,7 +1,8 @@
 """Test session set-up: 8 simulated CPU devices for the sharding tests and fast compiles
 (`tests/xla_flags.py`), before jax loads; and
-the CLIs' persistent compilation cache (on by default) in a temporary directory, never in the
-user's ~/.cache (CCA_JAX_CACHE_DIR, inherited by the CLIs the tests start)."""
+the persistent compilation cache (the CLIs', on by default, and the tests' own) in one
+temporary directory, never in the user's ~/.cache (CCA_JAX_CACHE_DIR, inherited by the
+workers and the CLIs the tests start)."""
 
 import atexit
 import os
@@ -12,6 +13,12 @@ if "CCA_JAX_CACHE_DIR" not in os.environ:
     _cache_root = tempfile.mkdtemp(prefix="cca-jax-test-cache-")
     os.environ["CCA_JAX_CACHE_DIR"] = _cache_root
     atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
+# The tests' own compiles share that cache too (both workers and the CLIs they start): the
+# same small programs recur across tests, e.g. each server of the serve tests.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.environ["CCA_JAX_CACHE_DIR"], "jax-compile"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 from tests.xla_flags import COMPILE_FAST  # noqa: E402
 
