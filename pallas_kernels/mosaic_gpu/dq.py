@@ -8,9 +8,10 @@ P = exp2(S * c - lse) from the forward's log2-sum-exp, dP = dO V^T, dS = P (dP -
 and accumulates dQ += dS K in registers (float32), masking only the steps that are edge
 blocks for its own rows. dq is written once, scaled, in the inputs' dtype.
 With `cfg.narrow_block`, a CTA whose raw window starts in the last `narrow_block` keys of a
-block takes those as one masked narrow step first (the forward's narrow head, from buffers
-of their own: K twice, once with the 32-byte swizzle that dQ += dS K's 16-deep contraction
-over the keys needs).
+block takes those as one masked narrow step (the forward's narrow head, from buffers of
+their own: K twice, once with the 32-byte swizzle that dQ += dS K's 16-deep contraction
+over the keys needs). It comes after the ring's steps: its copies are issued first, so by
+then they have landed, where taken first their latency stood before every CTA's walk.
 """
 
 from __future__ import annotations
@@ -115,14 +116,14 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
 
         own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
         dq = as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
-        if narrow:
-            dq = lax.fori_loop(0, n_head, head_step, dq)
         dq = pipeline.walk(raw_first, wg_ref[batch, own, RAW_FULL_FIRST],
                            wg_ref[batch, own, RAW_FULL_LAST], raw_first + n_raw, 0,
                            functools.partial(step, visible=raw_visible), dq)
         dq = pipeline.walk(core_first, wg_ref[batch, own, CORE_FULL_FIRST],
                            wg_ref[batch, own, CORE_FULL_LAST], core_first + n_steps - n_raw,
                            n_raw, functools.partial(step, visible=core_visible), dq)
+        if narrow:   # last: its copies, issued first, have landed by now (dQ is a sum)
+            dq = lax.fori_loop(0, n_head, head_step, dq)
         q_tile[...] = (dq * scale).astype(q_ref.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, data_rows, head])

@@ -9,8 +9,9 @@ Triton forward's convention, so its backward can reuse it).
 
 One CTA per (query head, block of `cta_rows` rows, batch row), `compute_wgs + 1` warpgroups:
   producer   (the last warpgroup) walks the CTA's steps: the narrow head if the CTA takes
-             one (`cfg.narrow_block` keys into buffers of their own, before the ring), the
-             raw-window key blocks, then the core-slot blocks, TMA-copying each step's K
+             one (`cfg.narrow_block` keys into buffers of their own, copied first; the
+             consumers take it last, when it has landed), the raw-window key blocks, then
+             the core-slot blocks, TMA-copying each step's K
              and V block into ring slot
              `step % stages` once both consumers have released it (and at the end awaits
              the last releases, so every barrier phase is observed).
@@ -217,8 +218,6 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
             plgpu.barrier_wait(k_ready.at[0])
         if use_sched:
             pl.when(wg == 1)(schedule_barrier)
-        if narrow:
-            carry = lax.fori_loop(0, n_head, head_step, carry)
         # this CTA's raw blocks, then its core blocks (step s0 + s: raw block raw_first +
         # s0 + s while below n_raw, else core block core_first + s0 + s - n_raw)
         raw_end = jnp.minimum(s0 + n_steps, n_raw)
@@ -231,6 +230,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
                      core_first + jnp.maximum(s0 + n_steps - n_raw, core_start),
                      raw_end - raw_done,
                      core_visible, carry)
+        if narrow:   # last, as in dq: its copies, issued first, have landed by now
+            carry = lax.fori_loop(0, n_head, head_step, carry)
         if use_sched:
             pl.when(wg == 0)(schedule_barrier)
         acc, m_i, l_i = carry
