@@ -976,3 +976,16 @@ def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
                              ints(1), floats, unroll=True).compile()
     decode_step.lower(state, cache, ints(cache.batch)).compile()
     assert warning not in capfd.readouterr().err
+
+
+def test_decode_programs_keep_gemm_autotuning_and_only_serving_chunks_drop_it():
+    """XLA's GEMM autotuning off in the decode steps took one row at 128K from 5.26 to 12.32
+    ms per token on the H200 (benchmarks/results/research/h200_2026-12-07.md; 8.22 against
+    9.07 ms a step on an H100, research/decode_autotune_h100_1be4394.log); off in the server's
+    prefill chunks it cut their compile 4x at equal speed. So only the chunks turn it off."""
+    from cca_jax.decode import DECODE_COMPILER_OPTIONS
+    from cca_jax.kv_cache import CACHE_PROGRAM_COMPILER_OPTIONS
+    from cca_jax.serve.programs import CHUNK_COMPILER_OPTIONS
+    for options in (CACHE_PROGRAM_COMPILER_OPTIONS, DECODE_COMPILER_OPTIONS):
+        assert "xla_gpu_autotune_level" not in options, options
+    assert CHUNK_COMPILER_OPTIONS["xla_gpu_autotune_level"] == 0
