@@ -144,6 +144,13 @@ INTERPRETED = {
                                     splits=2),
     # G = 3 (SmolLM2's 9 / 3) on two KV heads: 4 lanes of 16 slots a step.
     "three_heads_per_kv_head": dict(bounds=([13, 47], [48, 1], [13, 20]), hq=6, hkv=2),
+    # Key copies issued after each step's scores, value copies after its values: two ring
+    # blocks and two slot blocks a row through 2 stages (buffers reused mid-row), a wrap,
+    # and G = 4 (4 lanes' key copies apart from their value copies).
+    "early_keys": dict(bounds=([90, 20], [60, 80], [40, 33]), ring=100, num_slots=40,
+                       splits=1, stages=2, early_keys=True),
+    "early_keys_mqa": dict(bounds=([47, 0], [2, 48], [17, 20]), hkv=1, splits=1,
+                           early_keys=True),
 }
 
 
@@ -297,6 +304,7 @@ def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
     (1, 32, 32, 128, "bfloat16", None, dict(block=64, stages=4)),  # MHA, unstacked
     (2, 8, 2, 64, "float16", 4, dict(block=256, splits=3, slot_layout="bhcd")),
     (2, 16, 1, 128, "bfloat16", None, dict(block=128, stages=3)),  # MQA: 8 slots a head
+    (1, 32, 32, 128, "bfloat16", 32, dict(stages=3, early_keys=True)),  # keys copied early
     (2, 16, 2, 256, "bfloat16", 4, {}),                          # D = 256: 64-key steps
     (2, 16, 2, 96, "bfloat16", 4, {}),                           # 64-byte swizzle
     (2, 8, 1, 80, "float16", None, {}),                          # 32-byte swizzle
@@ -387,6 +395,7 @@ def test_config_defaults_fit_shared_memory():
     (dict(stages=2.0), "stages must be a positive int"),
     (dict(splits=0), "splits must be a positive int"),
     (dict(slot_layout="cbhd"), "slot_layout must be one of"),
+    (dict(early_keys=1), "early_keys must be True or False"),
     (dict(block_q=64), "unknown Mosaic GPU decode setting 'block_q'"),
 ])
 def test_config_errors(fields, match):
@@ -480,8 +489,9 @@ def _gpu_case(hkv, positions, layers, seed):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
-@pytest.mark.parametrize("tiling", [{}, dict(block=64, stages=4), dict(splits=1)],
-                         ids=["default", "block64_stages4", "one_split"])
+@pytest.mark.parametrize("tiling", [{}, dict(block=64, stages=4), dict(splits=1),
+                                    dict(stages=3, early_keys=True)],
+                         ids=["default", "block64_stages4", "one_split", "early_keys"])
 def test_gpu_matches_float64_and_triton(hkv, tiling):
     """7B per-layer call at 128K: Hq = 32, D = 128, R = 1040, C = 8192, stacked cache of 2
     layers read at layer 1, bf16; each row and query head within 2e-3 of float64 and 4e-3 of

@@ -12,7 +12,8 @@ Built for bandwidth (decode is memory-bound), split over the context like flash-
              zero), so each ring block is read from memory once per KV head (the Triton
              kernel reads it once per query head and leans on L2). Every step brings
              `block` key rows and `block` value rows into shared memory by TMA, through a
-             ring of `stages` buffers (copies for step i + stages are issued as step i ends):
+             ring of `stages` buffers (copies for step i + stages are issued as step i ends;
+             with `early_keys` its keys' as soon as step i's scores are made):
                ring step  `block` entries of the KV head (one 2-D copy each of K and V);
                slot step  `block / G'` slots of each of the G query heads (G copies each), so
                           that key row `g * block/G' + j` belongs to head g: S = Q K^T on
@@ -83,11 +84,15 @@ class MosaicDecodeConfig(NamedTuple):
     splits: programs per (row, KV head) sharing the row's steps; None: whole waves of
         programs that fill the GPU (`resolve_splits`).
     slot_layout: "bchd" (KVCache: `[.., B, C, Hq, D]`) or "bhcd" (`[.., B, Hq, C, D]`).
+    early_keys: issue step i + stages's key copy as soon as step i's scores have read the
+        keys, its value copy after the value product (False: both after it). Half a step
+        more of key bytes in flight, for a kernel that waits on memory latency.
     """
     block: int = 128
     stages: int = 2
     splits: int | None = None
     slot_layout: str = "bchd"
+    early_keys: bool = False
 
 
 def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
@@ -122,6 +127,8 @@ def decode_config(*, head_dim: int = 128, groups: int = 1, **fields) -> MosaicDe
                              f"next lands), got {value!r}.")
         if name == "slot_layout" and value not in SLOT_LAYOUTS:
             raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, got {value!r}.")
+        if name == "early_keys" and not isinstance(value, bool):
+            raise ValueError(f"early_keys must be True or False, got {value!r}.")
     return MosaicDecodeConfig(**fields)
 
 
@@ -264,14 +271,16 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
     s0 = jnp.minimum(split * per, n_all)
     s1 = jnp.minimum(s0 + per, n_all)
 
-    def copy(step, buf):
-        """Issue the copies of the row's step `step` into buffer `buf`."""
+    def copy(step, buf, parts=("k", "v")):
+        """Issue the copies of the row's step `step` into buffer `buf`: its keys ("k"), its
+        values ("v") or both (each arrives on the step's barrier, whenever issued)."""
         @pl.when(step < n_ring)
         def _():
             start = jnp.minimum((rb0 + step) * bk, ring_rows - bk)
             rows = (layer, batch, pl.ds(start, bk), kvh)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[buf], ring_bar.at[buf])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[buf], ring_bar.at[buf])
+            for part, src, dst in (("k", k_ref, k_smem), ("v", v_ref, v_smem)):
+                if part in parts:
+                    plgpu.copy_gmem_to_smem(src.at[rows], dst.at[buf], ring_bar.at[buf])
 
         @pl.when(step >= n_ring)
         def _():
@@ -283,8 +292,9 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
                 else:
                     rows = (layer, batch, head, pl.ds(start, per_head))
                 dst = (buf, pl.ds(g * per_head, per_head))
-                plgpu.copy_gmem_to_smem(ck_ref.at[rows], k_smem.at[dst], slot_bar.at[buf])
-                plgpu.copy_gmem_to_smem(cv_ref.at[rows], v_smem.at[dst], slot_bar.at[buf])
+                for part, src, smem in (("k", ck_ref, k_smem), ("v", cv_ref, v_smem)):
+                    if part in parts:
+                        plgpu.copy_gmem_to_smem(src.at[rows], smem.at[dst], slot_bar.at[buf])
 
     plgpu.copy_gmem_to_smem(q_ref.at[batch, kvh], q_smem, q_bar)
     for i in range(stages):                                   # fill the pipeline
@@ -325,6 +335,10 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[buf].transpose((1, 0)))
                 return acc_ref[...]
             sc = pl.run_scoped(scores, plgpu.ACC((_ROWS, bk), jnp.float32))
+        if cfg.early_keys:   # the scores have read this buffer's keys
+            @pl.when(i + stages < s1)
+            def _():
+                copy(i + stages, buf, ("k",))
         sc = jnp.where(visible(i), sc, -jnp.inf)
         m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
         alpha = jnp.exp2(m_i - m_new)
@@ -341,7 +355,7 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
 
         @pl.when(i + stages < s1)
         def _():
-            copy(i + stages, buf)
+            copy(i + stages, buf, ("v",) if cfg.early_keys else ("k", "v"))
         return acc, m_new, l_i
 
     carry = (as_tile(jnp.zeros((_ROWS, q_ref.shape[-1]), jnp.float32)),
