@@ -226,3 +226,30 @@ def test_call_overhead_loop_runs_every_call(tmp_path):
                         "--out", str(tmp_path / "co")])
     record, = json.loads((tmp_path / "co.json").read_text())
     assert record["in_program_ms"] > 0 and record["back_to_back_ms"] > 0
+
+
+def test_the_device_chains_name_only_tilings_the_kernels_take():
+    """The tilings a chain step sweeps (`--mosaic-tilings` of the decode probe,
+    `--backward-tilings` of the backward's) are each a valid config: a misspelt field would
+    stop the probe on the GPU machine, after minutes of device time."""
+    import pathlib
+    import re
+    import shlex
+
+    from pallas_kernels.mosaic_gpu.config import mosaic_backward_config
+    from pallas_kernels.mosaic_gpu.decode import decode_config
+    makers = {"--mosaic-tilings": decode_config, "--backward-tilings": mosaic_backward_config}
+    checked = 0
+    for chain in sorted((pathlib.Path(__file__).parents[1] / "benchmarks/device_chain")
+                        .glob("steps*.txt")):
+        for line in chain.read_text().splitlines():
+            if line.startswith("#") or not any(flag in line for flag in makers):
+                continue
+            for command in re.split(r";|&&|\|", line.split(None, 2)[2]):
+                words = shlex.split(command)
+                for flag, make in makers.items():
+                    if flag in words:
+                        for tiling in json.loads(words[words.index(flag) + 1]):
+                            make(**tiling)
+                            checked += 1
+    assert checked >= 5
