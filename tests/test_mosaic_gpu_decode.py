@@ -163,6 +163,36 @@ def test_interpreted_matches_float64(name):
     _check_interpreted(case.pop("bounds"), block=64, **case)
 
 
+EDGE_MASK_CASES = ("wrap_no_slots_one_entry", "full_ring_many_splits", "several_blocks",
+                   "sizes_off_the_tiles", "seven_heads_per_kv_head", "early_keys")
+
+
+@pytest.mark.parametrize("name", EDGE_MASK_CASES)
+def test_interpreted_edge_masks_only_matches_float64(name):
+    """`edge_masks_only`: blocks every row sees whole skip the position mask (slot blocks
+    keep their lanes' mask at G > 1). The cases cover whole and partial ring blocks (wraps,
+    a block that holds the ring's first visible entry, a clipped last block, padding past
+    R), whole and partial slot blocks, and G = 2, 4 and 7 (invisible entries poisoned)."""
+    case = dict(INTERPRETED[name])
+    _check_interpreted(case.pop("bounds"), block=64, edge_masks_only=True, **case)
+
+
+def test_interpreted_edge_masks_only_at_cca_positions():
+    """`edge_masks_only` at CCA(8, 40)'s decode positions (R = 48 < one block: every ring
+    block padded and masked), and at R = C = 128 where rings and slots hold whole blocks."""
+    from tests import visibility_oracle as oracle
+    pattern = blocks.CCA(8, 40)
+    t = np.asarray([0, 47, 48, 199])
+    bounds = blocks.decode_bounds(pattern, t, 48, 20)
+    _check_interpreted(bounds, b=4, masks=oracle.cache_masks(pattern, t, 48, 20), seed=21,
+                       block=64, splits=2, edge_masks_only=True)
+    # R = 128, C = 128, blocks of 64: a whole first ring block and a partial second, a wrap
+    # whose second block is whole, one whole block alone, and blocks one entry (ring) or one
+    # slot short of whole, next to whole slot blocks.
+    _check_interpreted(([0, 36, 64, 0], [99, 100, 64, 63], [128, 127, 0, 64]), b=4, ring=128,
+                       num_slots=128, seed=22, block=64, splits=1, edge_masks_only=True)
+
+
 def test_interpreted_stacked_cache_head_major_slots_bf16_out():
     """Stacked `[L, B, ...]` cache read at a traced layer, slots `[L, B, Hq, C, D]`, bf16
     out."""
@@ -305,6 +335,8 @@ def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
     (2, 8, 2, 64, "float16", 4, dict(block=256, splits=3, slot_layout="bhcd")),
     (2, 16, 1, 128, "bfloat16", None, dict(block=128, stages=3)),  # MQA: 8 slots a head
     (1, 32, 32, 128, "bfloat16", 32, dict(stages=3, early_keys=True)),  # keys copied early
+    (4, 32, 8, 128, "bfloat16", 32, dict(edge_masks_only=True)),  # masks on edge blocks only
+    (1, 32, 32, 128, "bfloat16", 32, dict(edge_masks_only=True, stages=3, early_keys=True)),
     (2, 16, 2, 256, "bfloat16", 4, {}),                          # D = 256: 64-key steps
     (2, 16, 2, 96, "bfloat16", 4, {}),                           # 64-byte swizzle
     (2, 8, 1, 80, "float16", None, {}),                          # 32-byte swizzle
@@ -396,6 +428,7 @@ def test_config_defaults_fit_shared_memory():
     (dict(splits=0), "splits must be a positive int"),
     (dict(slot_layout="cbhd"), "slot_layout must be one of"),
     (dict(early_keys=1), "early_keys must be True or False"),
+    (dict(edge_masks_only="yes"), "edge_masks_only must be True or False"),
     (dict(block_q=64), "unknown Mosaic GPU decode setting 'block_q'"),
 ])
 def test_config_errors(fields, match):
@@ -490,8 +523,11 @@ def _gpu_case(hkv, positions, layers, seed):
 @needs_hopper
 @pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
 @pytest.mark.parametrize("tiling", [{}, dict(block=64, stages=4), dict(splits=1),
-                                    dict(stages=3, early_keys=True)],
-                         ids=["default", "block64_stages4", "one_split", "early_keys"])
+                                    dict(stages=3, early_keys=True),
+                                    dict(edge_masks_only=True),
+                                    dict(block=64, stages=4, edge_masks_only=True)],
+                         ids=["default", "block64_stages4", "one_split", "early_keys",
+                              "edge_masks_only", "block64_stages4_edge_masks_only"])
 def test_gpu_matches_float64_and_triton(hkv, tiling):
     """7B per-layer call at 128K: Hq = 32, D = 128, R = 1040, C = 8192, stacked cache of 2
     layers read at layer 1, bf16; each row and query head within 2e-3 of float64 and 4e-3 of

@@ -87,12 +87,17 @@ class MosaicDecodeConfig(NamedTuple):
     early_keys: issue step i + stages's key copy as soon as step i's scores have read the
         keys, its value copy after the value product (False: both after it). Half a step
         more of key bytes in flight, for a kernel that waits on memory latency.
+    edge_masks_only: mask the scores by position only on the blocks that need it (the ring's
+        edge blocks, a clipped last block, the last slot block); a block every row sees
+        whole takes no mask (a slot block keeps its lanes' mask when G > 1). The masks are
+        a dozen integer operations a score on the 64-row tile, more issue slots than exp2.
     """
     block: int = 128
     stages: int = 2
     splits: int | None = None
     slot_layout: str = "bchd"
     early_keys: bool = False
+    edge_masks_only: bool = False
 
 
 def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
@@ -127,8 +132,8 @@ def decode_config(*, head_dim: int = 128, groups: int = 1, **fields) -> MosaicDe
                              f"next lands), got {value!r}.")
         if name == "slot_layout" and value not in SLOT_LAYOUTS:
             raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, got {value!r}.")
-        if name == "early_keys" and not isinstance(value, bool):
-            raise ValueError(f"early_keys must be True or False, got {value!r}.")
+        if name in ("early_keys", "edge_masks_only") and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
     return MosaicDecodeConfig(**fields)
 
 
@@ -315,15 +320,45 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
         offset = jnp.where(offset < 0, offset + ring, offset)
         return (entry >= nominal) & (entry < ring) & (offset < count)
 
-    def slot_visible(j):
-        nominal = j * per_head
+    def ring_whole(j):
+        """Whether every entry of ring step j's block is visible (scalar)."""
+        nominal = (rb0 + j) * bk
+        offset = nominal - first
+        offset = jnp.where(offset < 0, offset + ring, offset)
+        return ((nominal <= ring_rows - bk) & (nominal + bk <= ring)
+                & ((count >= ring) | (offset + bk <= count)))
+
+    def lanes_visible():
         row0 = iota(0) * per_head                   # the row's head's first key row
         col = iota(1)
-        slot = col - row0 + jnp.minimum(nominal, slot_rows - per_head)
-        return (col >= row0) & (col < row0 + per_head) & (slot >= nominal) & (slot < num_slots)
+        return (col >= row0) & (col < row0 + per_head)
 
-    def step(i, carry, bar, visible):
-        """Step i of the row (buffer (i - s0) % stages), then the copies of step i + stages."""
+    def slot_visible(j):
+        nominal = j * per_head
+        slot = iota(1) - iota(0) * per_head + jnp.minimum(nominal, slot_rows - per_head)
+        return lanes_visible() & (slot >= nominal) & (slot < num_slots)
+
+    def slot_whole(j):
+        """Whether slot step j's block holds only visible slots in each lane (scalar)."""
+        nominal = j * per_head
+        return (nominal <= slot_rows - per_head) & (nominal + per_head <= num_slots)
+
+    def masked(sc, visible, whole):
+        """The scores with invisible keys at -inf: by `visible` (a tile), or with
+        `edge_masks_only`, by `whole` (`None`: no mask, else a tile) where the step's `whole`
+        predicate holds."""
+        edge = lambda s: jnp.where(visible(), s, -jnp.inf)
+        if not cfg.edge_masks_only:
+            return edge(sc)
+        predicate, lane_mask = whole
+        inner = (lambda s: s) if lane_mask is None else (
+            lambda s: jnp.where(lane_mask(), s, -jnp.inf))
+        return lax.cond(predicate, inner, edge, sc)
+
+    def step(i, carry, bar, visible, whole):
+        """Step i of the row (buffer (i - s0) % stages), then the copies of step i + stages.
+        `visible()`: the step's visibility tile; `whole`: (scalar, lane mask or None) for
+        `masked`."""
         acc, m_i, l_i = carry
         buf = lax.rem(i - s0, jnp.int32(stages))
         plgpu.barrier_wait(bar.at[buf])
@@ -339,7 +374,7 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
             @pl.when(i + stages < s1)
             def _():
                 copy(i + stages, buf, ("k",))
-        sc = jnp.where(visible(i), sc, -jnp.inf)
+        sc = masked(sc, visible, whole)
         m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, (_ROWS, bk), [0]))
@@ -363,10 +398,12 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
              as_rows(jnp.zeros((_ROWS,), jnp.float32)))
     plgpu.barrier_wait(q_bar)
     ring_end = jnp.minimum(s1, n_ring)
+    lane_mask = None if lanes(groups) == 1 else lanes_visible
     carry = lax.fori_loop(s0, ring_end, lambda i, cr: step(
-        i, cr, ring_bar, lambda i: ring_visible(i)), carry)
+        i, cr, ring_bar, lambda: ring_visible(i), (ring_whole(i), None)), carry)
     carry = lax.fori_loop(jnp.maximum(s0, n_ring), s1, lambda i, cr: step(
-        i, cr, slot_bar, lambda i: slot_visible(i - n_ring)), carry)
+        i, cr, slot_bar, lambda: slot_visible(i - n_ring),
+        (slot_whole(i - n_ring), lane_mask)), carry)
     return carry
 
 
