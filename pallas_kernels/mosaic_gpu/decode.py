@@ -329,36 +329,36 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
                 & ((count >= ring) | (offset + bk <= count)))
 
     def lanes_visible():
-        row0 = iota(0) * per_head                   # the row's head's first key row
-        col = iota(1)
-        return (col >= row0) & (col < row0 + per_head)
+        """Each row's own lane of a slot step (the tile's columns of its query head)."""
+        row0 = iota(0) * per_head
+        return (iota(1) >= row0) & (iota(1) < row0 + per_head)
 
     def slot_visible(j):
         nominal = j * per_head
-        slot = iota(1) - iota(0) * per_head + jnp.minimum(nominal, slot_rows - per_head)
-        return lanes_visible() & (slot >= nominal) & (slot < num_slots)
+        row0 = iota(0) * per_head                   # the row's head's first key row
+        col = iota(1)
+        slot = col - row0 + jnp.minimum(nominal, slot_rows - per_head)
+        return (col >= row0) & (col < row0 + per_head) & (slot >= nominal) & (slot < num_slots)
 
     def slot_whole(j):
         """Whether slot step j's block holds only visible slots in each lane (scalar)."""
         nominal = j * per_head
         return (nominal <= slot_rows - per_head) & (nominal + per_head <= num_slots)
 
-    def masked(sc, visible, whole):
-        """The scores with invisible keys at -inf: by `visible` (a tile), or with
-        `edge_masks_only`, by `whole` (`None`: no mask, else a tile) where the step's `whole`
-        predicate holds."""
+    def masked(sc, visible, whole, lane_mask):
+        """The scores with invisible keys at -inf: by the tile `visible()`, or with
+        `edge_masks_only`, where the scalar `whole()` holds, by the tile `lane_mask()` (None:
+        no mask) instead."""
         edge = lambda s: jnp.where(visible(), s, -jnp.inf)
         if not cfg.edge_masks_only:
             return edge(sc)
-        predicate, lane_mask = whole
         inner = (lambda s: s) if lane_mask is None else (
             lambda s: jnp.where(lane_mask(), s, -jnp.inf))
-        return lax.cond(predicate, inner, edge, sc)
+        return lax.cond(whole(), inner, edge, sc)
 
-    def step(i, carry, bar, visible, whole):
-        """Step i of the row (buffer (i - s0) % stages), then the copies of step i + stages.
-        `visible()`: the step's visibility tile; `whole`: (scalar, lane mask or None) for
-        `masked`."""
+    def step(i, carry, bar, visible, whole, lane_mask=None):
+        """Step i of the row (buffer (i - s0) % stages), then the copies of step i + stages;
+        its scores `masked(sc, visible, whole, lane_mask)`."""
         acc, m_i, l_i = carry
         buf = lax.rem(i - s0, jnp.int32(stages))
         plgpu.barrier_wait(bar.at[buf])
@@ -374,7 +374,7 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
             @pl.when(i + stages < s1)
             def _():
                 copy(i + stages, buf, ("k",))
-        sc = masked(sc, visible, whole)
+        sc = masked(sc, visible, whole, lane_mask)
         m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, (_ROWS, bk), [0]))
@@ -398,12 +398,11 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
              as_rows(jnp.zeros((_ROWS,), jnp.float32)))
     plgpu.barrier_wait(q_bar)
     ring_end = jnp.minimum(s1, n_ring)
-    lane_mask = None if lanes(groups) == 1 else lanes_visible
     carry = lax.fori_loop(s0, ring_end, lambda i, cr: step(
-        i, cr, ring_bar, lambda: ring_visible(i), (ring_whole(i), None)), carry)
+        i, cr, ring_bar, lambda: ring_visible(i), lambda: ring_whole(i)), carry)
     carry = lax.fori_loop(jnp.maximum(s0, n_ring), s1, lambda i, cr: step(
-        i, cr, slot_bar, lambda: slot_visible(i - n_ring),
-        (slot_whole(i - n_ring), lane_mask)), carry)
+        i, cr, slot_bar, lambda: slot_visible(i - n_ring), lambda: slot_whole(i - n_ring),
+        None if lanes(groups) == 1 else lanes_visible), carry)
     return carry
 
 
