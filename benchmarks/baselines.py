@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import (PAPER_PATTERNS, median_ms, read_records, rel_l2,  # noqa: E402
-                                stamp, write_results)
+from benchmarks.measure import (PAPER_PATTERNS, claim_output, median_ms, read_records,  # noqa: E402
+                                rel_l2, stamp, write_results)
 from cca_jax import run_attention  # noqa: E402
 from cca_jax.attention import resolve_implementation  # noqa: E402
 
@@ -149,6 +149,7 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=None,
                     help="instead of measuring, combine earlier --out JSON files into --out")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     kinds = args.kinds.split(",")
     records = []
     if args.merge:

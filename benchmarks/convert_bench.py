@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/work/tmp_convert_bench")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args(argv)
+    from benchmarks.measure import claim_output
+    claim_output(str(RESULTS / f"convert_{a.size}"), suffixes=(".json",))
     work = Path(a.workdir) / a.size
     shutil.rmtree(work, ignore_errors=True)
     hf, ours, back = work / "hf", work / "ours", work / "back"

@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.measure import claim_output  # noqa: E402
 from cca_jax import blocks  # noqa: E402
 from cca_jax.decode import cached_attention  # noqa: E402
 from pallas_kernels.gpu import decode_attention_pallas_gpu  # noqa: E402
@@ -197,6 +198,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=100.0,
                     help="start no sweep tiling after this many seconds of the run")
     args = ap.parse_args()
+    claim_output(args.out, suffixes=("",))
     if jax.default_backend() != "gpu":
         raise SystemExit("decode_kernel.py times the compiled kernel: run it on an NVIDIA GPU.")
     start = time.perf_counter()

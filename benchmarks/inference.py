@@ -44,7 +44,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, read_records, write_results  # noqa: E402
+from benchmarks.measure import (PAPER_PATTERNS, claim_output, read_records,  # noqa: E402
+                                write_results)
 
 # Model shapes (random weights): the paper's LLaMA-2-7B, and a tiny one for CPU checks.
 SHAPES = {
@@ -323,6 +324,7 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=None,
                     help="instead of measuring, combine earlier --out JSON files into --out")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     if args.merge:
         records = read_records(args.merge)
     elif args.impl == "hf_sdpa":

@@ -112,12 +112,37 @@ def read_records(paths) -> list:
     return records
 
 
+# When this process imported the module: results files older than this predate the run.
+_RUN_STARTED = time.time()
+RESULT_SUFFIXES = (".json", ".md")
+
+
+def claim_output(out: str, suffixes=RESULT_SUFFIXES) -> None:
+    """Refuse, before measuring, to write over results already there (`out + suffix`): a
+    benchmark never overwrites earlier results, committed ones included. The run may then
+    rewrite its own files as it goes."""
+    for path in (out + suffix for suffix in suffixes):
+        if os.path.exists(path):
+            raise SystemExit(f"{path} already exists, and a benchmark never overwrites "
+                             "earlier results: pass --out with a new path, or move that "
+                             "file away first.")
+
+
+def check_not_older(path: str) -> None:
+    """The last guard before writing `path`: it must not predate this run."""
+    if os.path.exists(path) and os.path.getmtime(path) < _RUN_STARTED:
+        raise SystemExit(f"{path} was written before this run started, and a benchmark never "
+                         "overwrites earlier results: pass --out with a new path.")
+
+
 def write_results(out: str, records: list, table: str) -> None:
     """Print the markdown table; write `<out>.json` (the records, each made with `stamp()`'s
-    keys) and `<out>.md` (the table)."""
+    keys) and `<out>.md` (the table): new files, or this run's own (`claim_output`)."""
     import json
 
     print(table)
+    for suffix in RESULT_SUFFIXES:
+        check_not_older(out + suffix)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(records, f, indent=1)

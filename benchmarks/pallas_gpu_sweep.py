@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import median_ms, rel_l2, stamp  # noqa: E402
+from benchmarks.measure import claim_output, median_ms, rel_l2, stamp  # noqa: E402
 from cca_jax.attention import cca_attention_xla  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 from cca_jax import blocks  # noqa: E402
@@ -223,6 +223,8 @@ def main(argv=None):
     ap.add_argument("--tune-only", action="store_true",
                     help="stop after writing the best config (no end-to-end, no L=131072 check)")
     args = ap.parse_args(argv)
+    for name in ("pallas_gpu_best", "pallas_gpu_sweep"):
+        claim_output(os.path.join(args.out, name), suffixes=(".json",))
     interpret = jax.default_backend() == "cpu"
     budget = args.budget_s
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)

@@ -524,6 +524,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from benchmarks.measure import claim_output
+    claim_output(cfg.out, suffixes=(".json", ".md", ".png"))
     run_experiment(cfg)
     return 0
 

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, stamp, write_results  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, claim_output, stamp, write_results  # noqa: E402
 
 
 
@@ -40,6 +40,7 @@ def main(argv=None):
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--out", default="benchmarks/results/sequence_balance")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     records, lines = [], [
         f"# Per-shard attention work, L = {args.length}, {args.shards} sequence shards", "",
         f"- command: `python benchmarks/sequence_balance.py {' '.join(argv or sys.argv[1:])}`",

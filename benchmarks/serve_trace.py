@@ -40,7 +40,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import PAPER_PATTERNS, write_results  # noqa: E402
+from benchmarks.measure import PAPER_PATTERNS, claim_output, write_results  # noqa: E402
 
 SHAPES = {
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -340,6 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="benchmarks/results/serve_trace_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     trace = SMALL if args.small else Trace()
     changes = {k: getattr(args, k) for k in ("requests", "new_tokens", "rate", "max_len",
                                              "chunk_size", "decode_chunk_size",

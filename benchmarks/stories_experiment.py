@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     if a.replot:
         plots.plot_stories(json.loads(Path(a.out + ".json").read_text()), a.out + ".png")
         return 0
+    from benchmarks.measure import claim_output
+    claim_output(a.out)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()

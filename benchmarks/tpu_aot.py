@@ -191,6 +191,8 @@ def main(argv=None) -> int:
                         help="KernelConfig overrides, e.g. block_q=1024 block_c=2048")
     parser.add_argument("--out", default="benchmarks/results/tpu_aot")
     args = parser.parse_args(argv)
+    from benchmarks.measure import claim_output
+    claim_output(args.out, suffixes=(".json",))
     tiling = {}
     for item in args.tiling:
         field, _, value = item.partition("=")

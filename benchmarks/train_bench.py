@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import read_records, stamp, write_results  # noqa: E402
+from benchmarks.measure import claim_output, read_records, stamp, write_results  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -106,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+")
     ap.add_argument("--out", default="benchmarks/results/train_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     if args.merge:
         records = read_records(args.merge)
     else:

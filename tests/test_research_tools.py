@@ -47,7 +47,8 @@ def test_serve_step_probe_times_each_program_once_per_xla_option_set(tmp_path):
         ("chunk 8", "no_command_buffer", 8), ("decode 1", "no_command_buffer", 1)]
     assert "| 32 | decode 1 | no_command_buffer |" in (tmp_path / "probe.md").read_text()
     with pytest.raises(SystemExit, match="unknown"):
-        serve_step_probe.main(["--small", "--variants", "no_graphs", "--out", str(out)])
+        serve_step_probe.main(["--small", "--variants", "no_graphs",
+                               "--out", str(tmp_path / "unknown")])
 
 
 def test_sinks_cost_pairs_each_round_with_the_no_sink_call(tmp_path):
@@ -253,3 +254,34 @@ def test_the_device_chains_name_only_tilings_the_kernels_take():
                             make(**tiling)
                             checked += 1
     assert checked >= 5
+
+
+def test_a_benchmark_never_overwrites_earlier_results(tmp_path):
+    """Results already written (committed ones included) stop a benchmark before it
+    measures; the last guard refuses a file older than the run and lets the run rewrite
+    its own files as it goes."""
+    import os
+
+    from benchmarks import sequence_balance
+    from benchmarks.measure import check_not_older, write_results
+    out = tmp_path / "balance"
+    sequence_balance.main(["--length", "4096", "--shards", "2", "--out", str(out)])
+    files = [tmp_path / "balance.json", tmp_path / "balance.md"]
+    before = [f.read_bytes() for f in files]
+    with pytest.raises(SystemExit, match="balance.json already exists"):
+        sequence_balance.main(["--length", "8192", "--shards", "2", "--out", str(out)])
+    files[0].unlink()
+    with pytest.raises(SystemExit, match="balance.md already exists"):
+        sequence_balance.main(["--length", "8192", "--shards", "2", "--out", str(out)])
+    assert files[1].read_bytes() == before[1]
+
+    old = tmp_path / "old.json"
+    old.write_text("[]")
+    os.utime(old, (0, 0))
+    with pytest.raises(SystemExit, match="written before this run started"):
+        write_results(str(tmp_path / "old"), [{"a": 1}], "table\n")
+    assert old.read_text() == "[]"
+    check_not_older(str(tmp_path / "absent.json"))
+    for n in (1, 2):     # a run rewrites its own results as it goes
+        write_results(str(tmp_path / "own"), [{"n": n}], f"{n}\n")
+    assert json.loads((tmp_path / "own.json").read_text()) == [{"n": 2}]

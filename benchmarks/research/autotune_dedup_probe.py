@@ -39,7 +39,8 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*
-from benchmarks.measure import median_ms, stamp, table_heading, write_results  # noqa: E402
+from benchmarks.measure import (claim_output, median_ms, stamp, table_heading,  # noqa: E402
+                                write_results)
 
 WAYS = ("stacked", "per_layer", "restacked", "no_autotune", "autotune_1")
 AUTOTUNE_LEVEL = {"no_autotune": 0, "autotune_1": 1}
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--out", default="benchmarks/results/research/autotune_dedup_probe")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     ways = args.ways.split(",")
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.attention import IMPLS  # noqa: E402
-from benchmarks.measure import (add_cca_shape_args, median_ms, stamp,  # noqa: E402
+from benchmarks.measure import (add_cca_shape_args, claim_output, median_ms, stamp,  # noqa: E402
                                 table_heading, write_results)
 
 
@@ -82,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/research/call_overhead")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     names = args.impls.split(",")
     unknown = sorted(set(names) - set(IMPLS))
     if unknown:

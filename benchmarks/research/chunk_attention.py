@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import (round_robin, row_error, stamp,  # noqa: E402
+from benchmarks.measure import (claim_output, round_robin, row_error, stamp,  # noqa: E402
                                 table_heading, write_results)
 from cca_jax import blocks  # noqa: E402
 from cca_jax.blocks import ring_size  # noqa: E402
@@ -111,6 +111,7 @@ def main(argv=None) -> int:
                     "2/1 heads of 64, g 4, s 16")
     ap.add_argument("--out", default="benchmarks/results/research/chunk_attention_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     interpret, tiling = None, {}
     if args.small:   # one consumer warpgroup: the interpreter runs a thread per warpgroup
         tiling = dict(compute_wgs=1, block_kv=64)

@@ -24,7 +24,7 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import stamp, table_heading, write_results  # noqa: E402
+from benchmarks.measure import claim_output, stamp, table_heading, write_results  # noqa: E402
 
 
 def estimate(length: int, hq: int, hkv: int, head_dim: int, group: int, window: int,
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
                     help="a measured backward of this shape (ms), to scale the estimate")
     ap.add_argument("--out", default="benchmarks/results/research/fused_backward_estimate_cpu")
     a = ap.parse_args(argv)
+    claim_output(a.out)
     record = dict(estimate(a.length, a.hq, a.hkv, a.head_dim, a.group, a.window,
                            a.backward_ms), **stamp(argv))
     write_results(a.out, [record], table([record]))

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.inference import SHAPES  # noqa: E402
-from benchmarks.measure import PAPER_PATTERNS, stamp, table_heading, write_results  # noqa: E402
+from benchmarks.measure import (PAPER_PATTERNS, claim_output, stamp, table_heading,  # noqa: E402
+                                write_results)
 
 BATCH, MAX_LEN = 8, 131072
 
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-jit", choices=("on", "off", "both"), default="both")
     ap.add_argument("--out", default="benchmarks/results/research/lowering_probe_cpu")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.kernel_jit]
     base, records = stamp(argv), []
     for program in args.programs.split(","):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
-from benchmarks.measure import round_robin, stamp, write_results  # noqa: E402
+from benchmarks.measure import claim_output, round_robin, stamp, write_results  # noqa: E402
 from cca_jax.attention.pallas_mosaic_gpu import kernel_lead_rows  # noqa: E402
 from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
 from cca_jax.blocks import CCA, sinks_as_slots  # noqa: E402
@@ -183,6 +183,7 @@ def main(argv=None):
                     help="run the kernels in jax's GPU interpreter (a CPU check; tiny shapes)")
     ap.add_argument("--out", default="benchmarks/results/research/mosaic_backward_parts_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     from pallas_kernels.mosaic_gpu.interpret import interpret_params
     interpret = interpret_params(args.interpret or None)
     from pallas_kernels.mosaic_gpu.api import _forward

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
-from benchmarks.measure import rel_l2, round_robin, stamp, write_results  # noqa: E402
+from benchmarks.measure import claim_output, rel_l2, round_robin, stamp, write_results  # noqa: E402
 from cca_jax.attention.pooling import slots_and_bounds  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -120,6 +120,7 @@ def main(argv=None):
                          '--backward, e.g. \'[{}, {"compute_wgs": 1}, {"stages": 3}]\'')
     ap.add_argument("--out", default="benchmarks/results/research/mosaic_gpu_cca_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     pattern = CCA(args.g, args.s)
     kernels = {(name, "fwd"): fn for name, fn in
                _kernels(json.loads(args.mosaic_tilings)).items()}

@@ -33,7 +33,8 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax, pallas_kernels
-from benchmarks.measure import round_robin, row_error, stamp, write_results  # noqa: E402
+from benchmarks.measure import (claim_output, round_robin, row_error, stamp,  # noqa: E402
+                                write_results)
 from cca_jax import blocks  # noqa: E402
 
 DTYPE = jnp.bfloat16
@@ -167,6 +168,7 @@ def main(argv=None):
                     help="CPU smoke test of this script (both kernels interpreted)")
     ap.add_argument("--out", default="benchmarks/results/research/mosaic_gpu_decode_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     kernels = _kernels(json.loads(args.mosaic_tilings), args.interpret)
     base = stamp(argv)
     records = []

@@ -105,6 +105,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     args = ap.parse_args(argv)
     sys.path.insert(0, _REPO)
+    if args.out:
+        from benchmarks.measure import claim_output
+        claim_output(args.out, suffixes=("",))
     import jax.numpy as jnp
     from pallas_kernels.gpu import kernel_config, padded_head_dim
 

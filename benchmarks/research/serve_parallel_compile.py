@@ -21,7 +21,7 @@ import jax
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import stamp, write_results  # noqa: E402
+from benchmarks.measure import claim_output, stamp, write_results  # noqa: E402
 
 
 def main(argv=None):
@@ -31,6 +31,7 @@ def main(argv=None):
     ap.add_argument("--starts", type=int, default=2, help="starts of each setting")
     ap.add_argument("--out", default="benchmarks/results/research/serve_parallel_compile_cpu")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     from flax import nnx
 
     from cca_jax.config import LlamaConfig

@@ -47,7 +47,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.research.autotune_dedup_probe import gemm_fusions  # noqa: E402
 from benchmarks.research.profile_inference import host_event_table  # noqa: E402
-from benchmarks.measure import round_robin, stamp, table_heading, write_results  # noqa: E402
+from benchmarks.measure import (claim_output, round_robin, stamp, table_heading,  # noqa: E402
+                                write_results)
 from benchmarks.serve_trace import SMALL, Trace, build_model  # noqa: E402
 
 
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
                     help="keep the layers stacked as training does (a comparison)")
     ap.add_argument("--out", default="benchmarks/results/research/serve_step_probe_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     from cca_jax.kv_cache import init_cache
     defaults = (dict(max_batch=4, max_len=SMALL.max_len, contexts="32,64", chunks="8,16",
                      active="1,3") if args.small else

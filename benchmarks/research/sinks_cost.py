@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import (add_cca_shape_args, paired_ratio, rel_l2,  # noqa: E402
-                                round_robin_times, stamp, write_results)
+from benchmarks.measure import (add_cca_shape_args, claim_output, paired_ratio,  # noqa: E402
+                                rel_l2, round_robin_times, stamp, write_results)
 from cca_jax.attention import run_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -75,6 +75,7 @@ def main(argv=None):
                     help="also profile each program once (traces under DIR)")
     ap.add_argument("--out", default="benchmarks/results/research/sinks_cost_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, args.length, args.hq, args.d), jnp.bfloat16)
     k, v = (jax.random.normal(x, (1, args.length, args.hkv, args.d), jnp.bfloat16)

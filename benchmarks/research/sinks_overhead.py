@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.measure import median_ms  # noqa: E402
+from benchmarks.measure import claim_output, median_ms  # noqa: E402
 from cca_jax.attention.pooling import core_tokens_and_bounds  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 from pallas_kernels.gpu import blocked_attention_pallas_gpu  # noqa: E402
@@ -78,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/research/sinks_overhead_h200.json")
     args = ap.parse_args(argv)
+    claim_output(args.out, suffixes=("",))
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/research/sinks_overhead.py "

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.measure import (add_cca_shape_args, paired_ratio,  # noqa: E402
+from benchmarks.measure import (add_cca_shape_args, claim_output, paired_ratio,  # noqa: E402
                                 round_robin_times, stamp, table_heading, write_results)
 from cca_jax.attention.pooling import (pool_core_tokens, pool_pattern_slots,  # noqa: E402
                                        slots_and_bounds)
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
                     help="a CPU check: L 256, 2/1 heads of 64, g 4, s 32, float32")
     ap.add_argument("--out", default="benchmarks/results/research/sinks_pooling_h200")
     args = ap.parse_args(argv)
+    claim_output(args.out)
     if args.small:
         args.length, args.hq, args.hkv, args.d, args.g, args.s = 256, 2, 1, 64, 4, 32
         args.slot_multiple, args.rounds = 16, min(args.rounds, 3)
