@@ -285,3 +285,25 @@ def test_a_benchmark_never_overwrites_earlier_results(tmp_path):
     for n in (1, 2):     # a run rewrites its own results as it goes
         write_results(str(tmp_path / "own"), [{"n": n}], f"{n}\n")
     assert json.loads((tmp_path / "own.json").read_text()) == [{"n": 2}]
+
+
+def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_path, monkeypatch):
+    """The chains' in-model decode probe: the tiling becomes the decode kernel's defaults
+    (checked fields only), and the records carry the command with it."""
+    from benchmarks.research import decode_tiling_inference as probe
+    from pallas_kernels.mosaic_gpu import decode
+    monkeypatch.setattr(decode.MosaicDecodeConfig.__new__, "__defaults__",
+                        decode.MosaicDecodeConfig.__new__.__defaults__)
+    with pytest.raises(ValueError, match="unknown Mosaic GPU decode setting"):
+        probe.use_tiling({"edge_mask": True})
+    import sys
+    monkeypatch.setattr(sys, "argv", [probe.__file__, "--tiling",
+                                      '{"edge_masks_only": true, "stages": 3}', "--shape",
+                                      "tiny", "--contexts", "256", "--decode-tokens", "2",
+                                      "--decode-warmup", "2", "--prefill-runs", "1",
+                                      "--out", str(tmp_path / "inf")])
+    assert probe.main() == 0     # as the chains run it: the command line is the script's
+    assert decode.decode_config() == decode.MosaicDecodeConfig(stages=3, edge_masks_only=True)
+    records = json.loads((tmp_path / "inf.json").read_text())
+    assert records and all('--tiling {"edge_masks_only": true, "stages": 3}' in r["command"]
+                           for r in records)
