@@ -177,6 +177,21 @@ def test_interpreted_edge_masks_only_matches_float64(name):
     _check_interpreted(case.pop("bounds"), block=64, edge_masks_only=True, **case)
 
 
+@pytest.mark.parametrize("name", ["wrap_no_slots_one_entry", "full_ring_many_splits", "mqa",
+                                  "several_blocks", "sizes_off_the_tiles",
+                                  "seven_heads_per_kv_head", "three_heads_per_kv_head",
+                                  "early_keys"])
+def test_interpreted_keys_along_rows_matches_float64(name):
+    """`keys_along_rows`: each step transposed (S^T = K Q^T, the softmax down the columns,
+    O^T += V^T P through shared memory), alone and with the other options."""
+    case = dict(INTERPRETED[name])
+    _check_interpreted(case.pop("bounds"), block=64, keys_along_rows=True, **case)
+    if name == "several_blocks":
+        _check_interpreted(INTERPRETED[name]["bounds"], ring=100, num_slots=40, block=64,
+                           splits=2, keys_along_rows=True, edge_masks_only=True,
+                           early_keys=True, stages=3, seed=5)
+
+
 def test_interpreted_edge_masks_only_at_cca_positions():
     """`edge_masks_only` at CCA(8, 40)'s decode positions (R = 48 < one block: every ring
     block padded and masked), and at R = C = 128 where rings and slots hold whole blocks."""
@@ -337,6 +352,10 @@ def _lowered_text(b, hq, hkv, d, ring, num_slots, dtype, layers=None, **tiling):
     (1, 32, 32, 128, "bfloat16", 32, dict(stages=3, early_keys=True)),  # keys copied early
     (4, 32, 8, 128, "bfloat16", 32, dict(edge_masks_only=True)),  # masks on edge blocks only
     (1, 32, 32, 128, "bfloat16", 32, dict(edge_masks_only=True, stages=3, early_keys=True)),
+    (1, 32, 32, 128, "bfloat16", 32, dict(keys_along_rows=True)),    # keys along M
+    (4, 32, 8, 128, "bfloat16", 32, dict(keys_along_rows=True, edge_masks_only=True)),
+    (2, 28, 4, 256, "bfloat16", 4, dict(keys_along_rows=True)),     # G = 7, D = 256
+    (2, 8, 1, 64, "float16", None, dict(keys_along_rows=True, block=128)),
     (2, 16, 2, 256, "bfloat16", 4, {}),                          # D = 256: 64-key steps
     (2, 16, 2, 96, "bfloat16", 4, {}),                           # 64-byte swizzle
     (2, 8, 1, 80, "float16", None, {}),                          # 32-byte swizzle
@@ -419,6 +438,14 @@ def test_config_defaults_fit_shared_memory():
     assert decode_config(head_dim=256, block=128).block == 128  # explicit settings win
 
 
+def test_keys_along_rows_refuses_what_it_cannot_tile():
+    """D along wgmma's M must be a multiple of 64, and G at most 16 (its N)."""
+    assert decode_refusal(jnp.bfloat16, 128, 32, 2, keys_along_rows=True) is None
+    assert "multiple of 64" in decode_refusal(jnp.bfloat16, 96, 32, 8, keys_along_rows=True)
+    assert "at most 16" in decode_refusal(jnp.bfloat16, 64, 64, 2, block=256,
+                                          keys_along_rows=True)
+
+
 @pytest.mark.parametrize("fields,match", [
     (dict(block=48), "block must be one of"),
     (dict(block=32), "block must be one of"),
@@ -429,6 +456,7 @@ def test_config_defaults_fit_shared_memory():
     (dict(slot_layout="cbhd"), "slot_layout must be one of"),
     (dict(early_keys=1), "early_keys must be True or False"),
     (dict(edge_masks_only="yes"), "edge_masks_only must be True or False"),
+    (dict(keys_along_rows=0), "keys_along_rows must be True or False"),
     (dict(block_q=64), "unknown Mosaic GPU decode setting 'block_q'"),
 ])
 def test_config_errors(fields, match):
@@ -525,9 +553,12 @@ def _gpu_case(hkv, positions, layers, seed):
 @pytest.mark.parametrize("tiling", [{}, dict(block=64, stages=4), dict(splits=1),
                                     dict(stages=3, early_keys=True),
                                     dict(edge_masks_only=True),
-                                    dict(block=64, stages=4, edge_masks_only=True)],
+                                    dict(block=64, stages=4, edge_masks_only=True),
+                                    dict(keys_along_rows=True),
+                                    dict(keys_along_rows=True, edge_masks_only=True, stages=3)],
                          ids=["default", "block64_stages4", "one_split", "early_keys",
-                              "edge_masks_only", "block64_stages4_edge_masks_only"])
+                              "edge_masks_only", "block64_stages4_edge_masks_only",
+                              "keys_along_rows", "keys_along_rows_edge_masks_stages3"])
 def test_gpu_matches_float64_and_triton(hkv, tiling):
     """7B per-layer call at 128K: Hq = 32, D = 128, R = 1040, C = 8192, stacked cache of 2
     layers read at layer 1, bf16; each row and query head within 2e-3 of float64 and 4e-3 of

@@ -65,9 +65,13 @@ def _kernels(mosaic_tilings: list, interpret: bool = False) -> dict:
                                                        **tiling)
 
         def kernel_only(q, i, k, v, ck, cv, b, tiling=tiling):
-            acc, _ = partials(q, k, v, ck, cv, i, b, mdecode.decode_config(**tiling), True,
-                              params)
-            return acc[:, :, 0].reshape(q.shape)     # a query-shaped piece of the partials
+            groups = q.shape[1] // k.shape[-2]
+            cfg = mdecode.decode_config(groups=groups, **tiling)
+            acc, _ = partials(q, k, v, ck, cv, i, b, cfg, True, params)
+            piece = acc[:, :, 0]
+            if cfg.keys_along_rows:                 # [B, Hkv, D, 16]
+                piece = jnp.swapaxes(piece, -1, -2)[:, :, :groups]
+            return piece.reshape(q.shape)           # a query-shaped piece of the partials
         kernels[_tiling_name("mosaic_gpu", tiling)] = whole
         kernels[_tiling_name("mosaic_gpu/kernel", tiling)] = kernel_only
     return kernels

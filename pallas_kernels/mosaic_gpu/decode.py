@@ -69,6 +69,7 @@ SLOT_LAYOUTS = ("bchd", "bhcd")   # slots [.., B, C, Hq, D] (KVCache) or [.., B,
 SMEM_LIMIT_BYTES = 227 * 1024     # sm_90's shared memory per CTA
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ROWS = 64                        # wgmma's M: the query heads of a KV head, zero-padded
+_COLS = 16                        # keys_along_rows: wgmma's N, the query heads zero-padded
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30                 # running max of a program that saw nothing
 _H200_SMS = 132                   # SMs assumed where no GPU is attached (cross-lowering)
@@ -91,6 +92,11 @@ class MosaicDecodeConfig(NamedTuple):
         edge blocks, a clipped last block, the last slot block); a block every row sees
         whole takes no mask (a slot block keeps its lanes' mask when G > 1). The masks are
         a dozen integer operations a score on the 64-row tile, more issue slots than exp2.
+    keys_along_rows: compute each step transposed, keys along wgmma's M and the query heads
+        along its N (16, G zero-padded: G <= 16; D a multiple of 64, O^T's M): S^T = K Q^T,
+        the softmax down the columns,
+        O^T += V^T P with P through shared memory and V in 32-byte-swizzled tiles. The
+        elementwise work of a step is then that of a 16-column tile, not a 64-row one.
     """
     block: int = 128
     stages: int = 2
@@ -98,14 +104,24 @@ class MosaicDecodeConfig(NamedTuple):
     slot_layout: str = "bchd"
     early_keys: bool = False
     edge_masks_only: bool = False
+    keys_along_rows: bool = False
+
+
+def query_rows(cfg: MosaicDecodeConfig) -> int:
+    """Rows of a program's query tile: wgmma's M (64), or its N (16) with keys_along_rows."""
+    return _COLS if cfg.keys_along_rows else _ROWS
 
 
 def shared_memory_bytes(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one program: the query tile, barriers, and the K/V buffers or (after
-    them, in the same space) the float32 output tile with max and sum."""
+    """Shared memory of one program: the query tile, barriers, and the K/V buffers (with
+    keys_along_rows, P's tile) or (after them, in the same space) the float32 output tile
+    with max and sum."""
+    rows = query_rows(cfg)
     buffers = 2 * cfg.stages * cfg.block * head_dim * itemsize
-    out = _ROWS * head_dim * 4 + 2 * _ROWS * 4
-    return _ROWS * head_dim * itemsize + (2 * cfg.stages + 1) * 8 + max(buffers, out)
+    if cfg.keys_along_rows:
+        buffers += cfg.block * rows * itemsize
+    out = rows * head_dim * 4 + 2 * rows * 4
+    return rows * head_dim * itemsize + (2 * cfg.stages + 1) * 8 + max(buffers, out)
 
 
 def decode_config(*, head_dim: int = 128, groups: int = 1, **fields) -> MosaicDecodeConfig:
@@ -132,7 +148,8 @@ def decode_config(*, head_dim: int = 128, groups: int = 1, **fields) -> MosaicDe
                              f"next lands), got {value!r}.")
         if name == "slot_layout" and value not in SLOT_LAYOUTS:
             raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, got {value!r}.")
-        if name in ("early_keys", "edge_masks_only") and not isinstance(value, bool):
+        if name in ("early_keys", "edge_masks_only", "keys_along_rows") and \
+                not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}.")
     return MosaicDecodeConfig(**fields)
 
@@ -145,6 +162,12 @@ def lanes(groups: int) -> int:
 
 def check_shapes(cfg: MosaicDecodeConfig, groups: int, head_dim: int, itemsize: int) -> None:
     """ValueError naming the fix when `cfg` cannot serve G query heads per KV head at D."""
+    if cfg.keys_along_rows and lanes(groups) > _COLS:
+        raise ValueError(f"keys_along_rows serves at most {_COLS} query heads per KV head, "
+                         f"got {groups}; leave it off.")
+    if cfg.keys_along_rows and head_dim % _ROWS:
+        raise ValueError(f"keys_along_rows puts head_dim along wgmma's M (a multiple of "
+                         f"{_ROWS}), got {head_dim}; leave it off.")
     if cfg.block < 8 * lanes(groups):
         ok = [b for b in BLOCKS if b >= 8 * lanes(groups)]
         raise ValueError(
@@ -210,13 +233,15 @@ def resolve_splits(cfg: MosaicDecodeConfig, batch: int, kv_heads: int, ring: int
     return max(min(s for s, c in cost.items() if c <= 1.05 * best), min(2, top))
 
 
-def _layouts(interpreted: bool):
-    """(tile, row) layout casts of WGMMA tiles and their per-row vectors; identities in the
-    GPU interpreter (it runs arrays without layouts)."""
+def _layouts(interpreted: bool, transposed: bool = False):
+    """(tile, vector) layout casts of WGMMA tiles and their per-query vectors (per row, or
+    per column when `transposed`); identities in the GPU interpreter (it runs arrays without
+    layouts)."""
     if interpreted:
         return (lambda x: x), (lambda x: x)
     return (functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA),
-            functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
+            functools.partial(plgpu.layout_cast,
+                              new_layout=plgpu.Layout.WGMMA.reduce(0 if transposed else 1)))
 
 
 def _kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref,
@@ -228,13 +253,19 @@ def _kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
     they share shared memory."""
     d = q_ref.shape[-1]
     transforms = smem_transforms(d, jnp.dtype(k_ref.dtype).itemsize)
-    buffers = plgpu.SMEM((cfg.stages, cfg.block, d), k_ref.dtype, transforms=transforms)
+    buffers = [plgpu.SMEM((cfg.stages, cfg.block, d), k_ref.dtype, transforms=transforms)] * 2
+    rows = query_rows(cfg)
+    if cfg.keys_along_rows:   # V^T and P as one wgmma's operands: their swizzles must match
+        narrow = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+        buffers = [buffers[0],
+                   plgpu.SMEM((cfg.stages, cfg.block, d), k_ref.dtype, transforms=narrow),
+                   plgpu.SMEM((cfg.block, rows), k_ref.dtype, transforms=narrow)]
     attend = functools.partial(
         _attend, layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref,
         cv_ref, q_smem, q_bar, ring_bar, slot_bar, ring=ring, num_slots_cap=num_slots_cap,
         ring_rows=ring_rows, slot_rows=slot_rows, groups=groups, splits=splits, cfg=cfg,
         scale=scale, interpreted=interpreted)
-    acc, m_i, l_i = pl.run_scoped(attend, buffers, buffers)
+    acc, m_i, l_i = pl.run_scoped(attend, *buffers)
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
 
     def write(o_smem, ml_smem):
@@ -242,22 +273,29 @@ def _kernel(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
         ml_smem.at[0][...] = m_i
         ml_smem.at[1][...] = l_i
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, groups)], acc_ref.at[batch, kvh, split])
+        out = o_smem if cfg.keys_along_rows else o_smem.at[pl.ds(0, groups)]
+        plgpu.copy_smem_to_gmem(out, acc_ref.at[batch, kvh, split])
         plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, kvh, split])
         plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(write, plgpu.SMEM((_ROWS, d), jnp.float32),
-                  plgpu.SMEM((2, _ROWS), jnp.float32))
+    tile = (d, rows) if cfg.keys_along_rows else (rows, d)
+    pl.run_scoped(write, plgpu.SMEM(tile, jnp.float32), plgpu.SMEM((2, rows), jnp.float32))
 
 
 def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_ref, cv_ref,
-            q_smem, q_bar, ring_bar, slot_bar, k_smem, v_smem, *, ring: int,
+            q_smem, q_bar, ring_bar, slot_bar, k_smem, v_smem, p_smem=None, *, ring: int,
             num_slots_cap: int, ring_rows: int, slot_rows: int, groups: int, splits: int,
             cfg: MosaicDecodeConfig, scale: float, interpreted: bool):
-    """The pipelined walk over the split's steps: its (acc, max, sum), 64 rows."""
+    """The pipelined walk over the split's steps: its (acc, max, sum), per query row (acc
+    `[64, D]`), or with keys_along_rows per column (acc `[D, 16]`; `p_smem` P's tile)."""
     bk, stages = cfg.block, cfg.stages
     per_head = bk // lanes(groups)                           # slots of one head per step
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
-    as_tile, as_rows = _layouts(interpreted)
+    transposed = cfg.keys_along_rows
+    as_tile, as_rows = _layouts(interpreted, transposed)
+    rows = query_rows(cfg)
+    # A score tile: [query rows, keys], or transposed [keys, query columns].
+    shape, key_dim = ((bk, rows), 0) if transposed else ((rows, bk), 1)
+    query_dim = 1 - key_dim
     # The row's bounds and the layer, clipped into the cache: no copy reads outside it.
     first = jnp.clip(first_ref[batch], 0, ring - 1)
     count = jnp.clip(count_ref[batch], 1, ring)
@@ -311,11 +349,11 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
     dtype = k_smem.dtype
 
     def iota(dim):
-        return as_tile(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), dim))
+        return as_tile(lax.broadcasted_iota(jnp.int32, shape, dim))
 
     def ring_visible(j):
         nominal = (rb0 + j) * bk
-        entry = iota(1) + jnp.minimum(nominal, ring_rows - bk)
+        entry = iota(key_dim) + jnp.minimum(nominal, ring_rows - bk)
         offset = entry - first
         offset = jnp.where(offset < 0, offset + ring, offset)
         return (entry >= nominal) & (entry < ring) & (offset < count)
@@ -329,14 +367,14 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
                 & ((count >= ring) | (offset + bk <= count)))
 
     def lanes_visible():
-        """Each row's own lane of a slot step (the tile's columns of its query head)."""
-        row0 = iota(0) * per_head
-        return (iota(1) >= row0) & (iota(1) < row0 + per_head)
+        """Each query's own lane of a slot step (the tile's keys of its query head)."""
+        row0 = iota(query_dim) * per_head
+        return (iota(key_dim) >= row0) & (iota(key_dim) < row0 + per_head)
 
     def slot_visible(j):
         nominal = j * per_head
-        row0 = iota(0) * per_head                   # the row's head's first key row
-        col = iota(1)
+        row0 = iota(query_dim) * per_head           # the query's head's first key row
+        col = iota(key_dim)
         slot = col - row0 + jnp.minimum(nominal, slot_rows - per_head)
         return (col >= row0) & (col < row0 + per_head) & (slot >= nominal) & (slot < num_slots)
 
@@ -362,26 +400,38 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
         acc, m_i, l_i = carry
         buf = lax.rem(i - s0, jnp.int32(stages))
         plgpu.barrier_wait(bar.at[buf])
+        a, b = (k_smem.at[buf], q_smem) if transposed else (q_smem, k_smem.at[buf])
         if interpreted:   # no transposed wgmma operand there: a plain product
-            sc = lax.dot_general(q_smem[...], k_smem.at[buf][...], (((1,), (1,)), ((), ())),
+            sc = lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
         else:
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[buf].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
                 return acc_ref[...]
-            sc = pl.run_scoped(scores, plgpu.ACC((_ROWS, bk), jnp.float32))
+            sc = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
         if cfg.early_keys:   # the scores have read this buffer's keys
             @pl.when(i + stages < s1)
             def _():
                 copy(i + stages, buf, ("k",))
         sc = masked(sc, visible, whole, lane_mask)
-        m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
+        m_new = jnp.maximum(m_i, sc.max(axis=key_dim) * c)
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, (_ROWS, bk), [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
+        p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, shape, [query_dim]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 if transposed else 0])
+        l_i = l_i * alpha + p.sum(axis=key_dim)
         p16 = p.astype(dtype)
-        if interpreted:
+        if transposed:    # O^T += V^T P: P through shared memory (wgmma's B)
+            p_smem[...] = p16
+            plgpu.commit_smem()
+            if interpreted:
+                acc = acc + lax.dot_general(v_smem.at[buf][...], p_smem[...],
+                                            (((0,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+            else:
+                def values_t(acc_ref):
+                    plgpu.wgmma(acc_ref, v_smem.at[buf].transpose((1, 0)), p_smem)
+                acc = pl.run_state(values_t)(plgpu.ACC.init(acc))   # the buffers are free
+        elif interpreted:
             acc = acc + jnp.dot(p16, v_smem.at[buf][...], preferred_element_type=jnp.float32)
         else:
             def values(acc_ref):
@@ -393,9 +443,10 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
             copy(i + stages, buf, ("v",) if cfg.early_keys else ("k", "v"))
         return acc, m_new, l_i
 
-    carry = (as_tile(jnp.zeros((_ROWS, q_ref.shape[-1]), jnp.float32)),
-             as_rows(jnp.full((_ROWS,), _MAX_INIT, jnp.float32)),
-             as_rows(jnp.zeros((_ROWS,), jnp.float32)))
+    d = q_ref.shape[-1]
+    carry = (as_tile(jnp.zeros((d, rows) if transposed else (rows, d), jnp.float32)),
+             as_rows(jnp.full((rows,), _MAX_INIT, jnp.float32)),
+             as_rows(jnp.zeros((rows,), jnp.float32)))
     plgpu.barrier_wait(q_bar)
     ring_end = jnp.minimum(s1, n_ring)
     carry = lax.fori_loop(s0, ring_end, lambda i, cr: step(
@@ -408,13 +459,14 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
 
 def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_slots: int,
               groups: int, splits: int, cfg: MosaicDecodeConfig, interpret):
-    """Partials: acc `[B, Hkv, splits, G, D]`, (max, sum) `[B, Hkv, splits, 2, 64]` f32.
+    """Partials: acc `[B, Hkv, splits, G, D]`, (max, sum) `[B, Hkv, splits, 2, 64]` f32;
+    with keys_along_rows acc `[B, Hkv, splits, D, 16]`, (max, sum) `[.., 2, 16]`.
     layer: int32 `[1]`; bounds: three int32 `[B]` (clipped in the kernel)."""
-    b, hkv, _, d = q_rows.shape
+    b, hkv, rows, d = q_rows.shape
     slot_axis = 2 if cfg.slot_layout == "bchd" else 3
     transforms = smem_transforms(d, k_ring.dtype.itemsize)
     scratch = (
-        plgpu.SMEM((_ROWS, d), k_ring.dtype, transforms=transforms),       # queries
+        plgpu.SMEM((rows, d), k_ring.dtype, transforms=transforms),        # queries
         plgpu.Barrier(),                                                    # queries landed
         plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),             # ring K, V landed
         plgpu.Barrier(num_arrivals=2 * lanes(groups), num_barriers=cfg.stages),  # slots
@@ -424,10 +476,11 @@ def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_s
         slot_rows=ck.shape[slot_axis],
         groups=groups, splits=splits, cfg=cfg, scale=1.0 / math.sqrt(d),
         interpreted=interpret is not None)
+    acc = (d, rows) if cfg.keys_along_rows else (groups, d)
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((b, hkv, splits, groups, d), jnp.float32),
-                  jax.ShapeDtypeStruct((b, hkv, splits, 2, _ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((b, hkv, splits, *acc), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, splits, 2, rows), jnp.float32)),
         scratch_types=scratch,
         grid=(hkv, splits, b),
         grid_names=("kv_heads", "splits", "batch"),
@@ -437,10 +490,12 @@ def _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, *, ring: int, num_s
     )(layer, *bounds, q_rows, k_ring, v_ring, ck, cv)
 
 
-def _merge(acc, ml, out_dtype):
+def _merge(acc, ml, out_dtype, groups: int, transposed: bool = False):
     """`[B, Hq, D]`: the softmax over the splits (every row sees its own key: the largest
-    running max is finite)."""
-    b, hkv, _, groups, d = acc.shape
+    running max is finite). `transposed`: keys_along_rows' partials `[.., D, 16]`."""
+    if transposed:
+        acc = jnp.swapaxes(acc, -1, -2)[..., :groups, :]
+    b, hkv, _, _, d = acc.shape
     m, l = ml[:, :, :, 0, :groups], ml[:, :, :, 1, :groups]          # [B, Hkv, S, G]
     w = jnp.exp2(m - jnp.max(m, axis=2, keepdims=True))
     out = jnp.sum(w[..., None] * acc, axis=2) / jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)[
@@ -482,7 +537,7 @@ def decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecodeC
               for x in (ck, cv))
     bounds = [jnp.asarray(x).astype(jnp.int32) for x in bounds]   # no-ops on int32
     layer = jnp.asarray(layer).astype(jnp.int32).reshape(1)
-    q_rows = _pad_axis(q.astype(k_ring.dtype).reshape(b, hkv, groups, d), 2, _ROWS)
+    q_rows = _pad_axis(q.astype(k_ring.dtype).reshape(b, hkv, groups, d), 2, query_rows(cfg))
     splits = resolve_splits(cfg, b, hkv, ring, num_slots, groups,
                             gpu_slots(cfg, d, k_ring.dtype.itemsize))
     return _partials(layer, bounds, q_rows, k_ring, v_ring, ck, cv, ring=ring,
@@ -497,7 +552,7 @@ def decode_attention(q, k_ring, v_ring, ck, cv, layer, bounds, cfg: MosaicDecode
     in one jit."""
     acc, ml = decode_partials(q, k_ring, v_ring, ck, cv, layer, bounds, cfg, stacked,
                               interpret)
-    return _merge(acc, ml, out_dtype)
+    return _merge(acc, ml, out_dtype, q.shape[1] // k_ring.shape[-2], cfg.keys_along_rows)
 
 
 def decode_attention_mosaic_gpu(q, k_ring, v_ring, ck, cv, bounds, *, layer=None,
