@@ -292,9 +292,9 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
     batch, kvh, split = (lax.axis_index(n) for n in ("batch", "kv_heads", "splits"))
     transposed = cfg.keys_along_rows
     as_tile, as_rows = _layouts(interpreted, transposed)
-    rows = query_rows(cfg)
+    queries = query_rows(cfg)
     # A score tile: [query rows, keys], or transposed [keys, query columns].
-    shape, key_dim = ((bk, rows), 0) if transposed else ((rows, bk), 1)
+    shape, key_dim = ((bk, queries), 0) if transposed else ((queries, bk), 1)
     query_dim = 1 - key_dim
     # The row's bounds and the layer, clipped into the cache: no copy reads outside it.
     first = jnp.clip(first_ref[batch], 0, ring - 1)
@@ -444,9 +444,9 @@ def _attend(layer_ref, first_ref, count_ref, slots_ref, q_ref, k_ref, v_ref, ck_
         return acc, m_new, l_i
 
     d = q_ref.shape[-1]
-    carry = (as_tile(jnp.zeros((d, rows) if transposed else (rows, d), jnp.float32)),
-             as_rows(jnp.full((rows,), _MAX_INIT, jnp.float32)),
-             as_rows(jnp.zeros((rows,), jnp.float32)))
+    carry = (as_tile(jnp.zeros((d, queries) if transposed else (queries, d), jnp.float32)),
+             as_rows(jnp.full((queries,), _MAX_INIT, jnp.float32)),
+             as_rows(jnp.zeros((queries,), jnp.float32)))
     plgpu.barrier_wait(q_bar)
     ring_end = jnp.minimum(s1, n_ring)
     carry = lax.fori_loop(s0, ring_end, lambda i, cr: step(
