@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.measure import (RESULT_SUFFIXES, check_not_older, claim_output, commit,  # noqa: E402
-                                median_ms, rel_l2)
+from benchmarks.measure import (check_not_older, claim_output, commit, median_ms,  # noqa: E402
+                                rel_l2)
 from cca_jax.attention import cca_attention  # noqa: E402
 from cca_jax.blocks import CCA  # noqa: E402
 
@@ -182,8 +182,7 @@ def write_results(records, args, argv, quiet=False):
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/attention.py " + " ".join(argv or sys.argv[1:])}
-    for suffix in RESULT_SUFFIXES:
-        check_not_older(args.out + suffix)
+    check_not_older(args.out)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump([{**r, **meta} for r in records], f, indent=1)

@@ -128,11 +128,12 @@ def claim_output(out: str, suffixes=RESULT_SUFFIXES) -> None:
                              "file away first.")
 
 
-def check_not_older(path: str) -> None:
-    """The last guard before writing `path`: it must not predate this run."""
-    if os.path.exists(path) and os.path.getmtime(path) < _RUN_STARTED:
-        raise SystemExit(f"{path} was written before this run started, and a benchmark never "
-                         "overwrites earlier results: pass --out with a new path.")
+def check_not_older(out: str, suffixes=RESULT_SUFFIXES) -> None:
+    """The last guard before writing `out + suffix`: no such file may predate this run."""
+    for path in (out + suffix for suffix in suffixes):
+        if os.path.exists(path) and os.path.getmtime(path) < _RUN_STARTED:
+            raise SystemExit(f"{path} was written before this run started, and a benchmark "
+                             "never overwrites earlier results: pass --out with a new path.")
 
 
 def write_results(out: str, records: list, table: str) -> None:
@@ -141,8 +142,7 @@ def write_results(out: str, records: list, table: str) -> None:
     import json
 
     print(table)
-    for suffix in RESULT_SUFFIXES:
-        check_not_older(out + suffix)
+    check_not_older(out)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(records, f, indent=1)

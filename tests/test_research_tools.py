@@ -281,7 +281,7 @@ def test_a_benchmark_never_overwrites_earlier_results(tmp_path):
     with pytest.raises(SystemExit, match="written before this run started"):
         write_results(str(tmp_path / "old"), [{"a": 1}], "table\n")
     assert old.read_text() == "[]"
-    check_not_older(str(tmp_path / "absent.json"))
+    check_not_older(str(tmp_path / "absent"))
     for n in (1, 2):     # a run rewrites its own results as it goes
         write_results(str(tmp_path / "own"), [{"n": n}], f"{n}\n")
     assert json.loads((tmp_path / "own.json").read_text()) == [{"n": 2}]
