@@ -287,6 +287,23 @@ def test_a_benchmark_never_overwrites_earlier_results(tmp_path):
     assert json.loads((tmp_path / "own.json").read_text()) == [{"n": 2}]
 
 
+def test_the_inference_profile_refuses_a_folder_holding_its_phases(tmp_path):
+    """profile_inference writes `<out>/<phase>.json`: a phase already there stops it before
+    it builds a model; the phases it does not run may be there."""
+    from benchmarks.research import profile_inference
+    small = ["--shape", "tiny", "--context", "256", "--steps", "2",
+             "--trace-dir", str(tmp_path / "traces")]
+    (tmp_path / "prefill.json").write_text("kept")
+    with pytest.raises(SystemExit, match="prefill.json already exists"):
+        profile_inference.main([*small, "--out", str(tmp_path), "--prefill", "--no-decode"])
+    with pytest.raises(SystemExit, match="prefill.json already exists"):
+        profile_inference.main([*small, "--out", str(tmp_path), "--prefill"])
+    (tmp_path / "decode.json").write_text("kept")
+    with pytest.raises(SystemExit, match="decode.json already exists"):
+        profile_inference.main([*small, "--out", str(tmp_path)])
+    assert {p.read_text() for p in tmp_path.glob("*.json")} == {"kept"}
+
+
 def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_path, monkeypatch):
     """The chains' in-model decode probe: the tiling becomes the decode kernel's defaults
     (checked fields only), and the records carry the command with it."""

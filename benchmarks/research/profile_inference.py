@@ -195,7 +195,7 @@ def main(argv=None):
     from flax import nnx
 
     from benchmarks.inference import SHAPES, _max_len
-    from benchmarks.measure import PAPER_PATTERNS
+    from benchmarks.measure import PAPER_PATTERNS, claim_output
     from cca_jax.config import LlamaConfig
     from cca_jax.decode import decode_implementation
     from cca_jax.prefill import prefill
@@ -204,6 +204,9 @@ def main(argv=None):
     from cca_jax.model import LlamaForCausalLM
 
     os.makedirs(args.out, exist_ok=True)
+    phases = ["decode"] * (not args.no_decode) + ["prefill"] * args.prefill
+    for phase in phases:
+        claim_output(os.path.join(args.out, phase), (".json",))
     p = PAPER_PATTERNS[args.impl]
     cfg = LlamaConfig(**SHAPES[args.shape],
                       max_position_embeddings=_max_len(args.context, WARMUP + 2 * args.steps + 2),
