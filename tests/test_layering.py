@@ -1,8 +1,8 @@
 """The attention floor's import rules (DESIGN.md "Floors"), checked on the source text.
 
-`pallas_kernels/` imports nothing from `cca_jax` but the visibility module (`blocks`) and
-leaf helpers (`padding`, `remat`'s residual names); `blocks` and the leaf helpers import
-nothing from the project; the attention package
+`pallas_kernels/` imports nothing from `cca_jax` but the visibility package (`blocks`) and
+leaf helpers (`padding`, `remat`'s residual names); `blocks` (its modules in one order) and
+the leaf helpers import nothing else from the project; the attention package
 imports only downwards, at module level, except the optional kernel packages (the one
 allowed lazy import); backends live in one registry.
 """
@@ -48,10 +48,27 @@ def test_kernels_import_only_the_visibility_module():
 
 
 def test_blocks_and_leaf_helpers_import_nothing_from_the_project():
-    for module in ("cca_jax.blocks", *LEAF_HELPERS):
+    for module in LEAF_HELPERS:
         path = ROOT / (module.replace(".", "/") + ".py")
         for name, _ in _imports(path):
             assert not _project(name), f"{module} imports {name}"
+    for path in sorted((ROOT / "cca_jax" / "blocks").glob("*.py")):
+        for name, _ in _imports(path):
+            assert not _project(name) or name.startswith("cca_jax.blocks."), (
+                f"{path.relative_to(ROOT)} imports {name}")
+
+
+def test_the_visibility_modules_import_in_one_order():
+    """Inside `cca_jax.blocks`: `_arith` at the bottom, then `options`; `rows`,
+    `block_walks` and `cache` read those two only (no module imports its peers)."""
+    may = {"_arith": set(), "options": {"_arith"}, "rows": {"_arith", "options"},
+           "block_walks": {"_arith", "options"}, "cache": {"_arith", "options"}}
+    folder = ROOT / "cca_jax" / "blocks"
+    assert {p.stem for p in folder.glob("*.py")} == {*may, "__init__"}
+    for module, allowed in may.items():
+        found = {name.rsplit(".", 1)[1] for name, _ in _imports(folder / f"{module}.py")
+                 if name.startswith("cca_jax.blocks.")}
+        assert found <= allowed, f"cca_jax.blocks.{module} imports {found - allowed}"
 
 
 def test_attention_imports_point_down_and_only_kernels_lazily():

@@ -1,4 +1,4 @@
-"""Key blocks the Pallas GPU forward visits for CCA with N sinks, from `blocks.py` alone.
+"""Key blocks the Pallas GPU forward visits for CCA with N sinks, from `cca_jax.blocks` alone.
 
     python benchmarks/research/sinks_block_count.py [--length 131072] [--block 128] [--narrow 16]
 
