@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -150,14 +151,9 @@ class _HostArrayRestore(ocp.args.PyTreeRestore):
     pass
 
 
-_warned_copies = False
-
-
+@functools.cache
 def _warn_copies_once() -> None:
-    global _warned_copies
-    if _warned_copies:
-        return
-    _warned_copies = True
+    """Warn (once a process: the cache holds the one call) that this orbax copies arrays."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         installed = f"orbax-checkpoint {version('orbax-checkpoint')}"

@@ -8,6 +8,7 @@ orbax 0.11.17-0.12.4 are.
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
 import warnings
@@ -78,7 +79,9 @@ def old_orbax_numpy_handler(monkeypatch):
     monkeypatch.setattr(handler, "__init__", old_init)
     # What cca_jax.checkpoint found at import, had this been the installed orbax.
     monkeypatch.setattr(checkpoint, "ORBAX_COPIES_LEAVES", True, raising=False)
-    monkeypatch.setattr(checkpoint, "_warned_copies", False, raising=False)
+    # A fresh warn-once for this test (and the process's own back after it).
+    monkeypatch.setattr(checkpoint, "_warn_copies_once",
+                        functools.cache(checkpoint._warn_copies_once.__wrapped__))
 
 
 def test_save_on_an_orbax_without_deepcopy_host_arrays(tmp_path, old_orbax_numpy_handler):
