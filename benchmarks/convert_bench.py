@@ -7,7 +7,9 @@
    is generated and written at its offset, so the whole model is never in RAM.
 2. Runs `python -m convert.hf_to_flax` (bf16) and then `python -m convert.flax_to_hf` as
    child processes; wall time and the child's peak RSS (`getrusage(RUSAGE_CHILDREN)`).
-3. Writes benchmarks/results/convert_<size>.json and .md; deletes the big files unless --keep.
+3. Writes benchmarks/results/convert_<size>.json; deletes the big files unless --keep.
+All files go into a new folder `<workdir>/<size>-XXXXXXXX` made for this run: nothing already
+under `--workdir` is written over or deleted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,8 +95,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from benchmarks.measure import claim_output
     claim_output(str(RESULTS / f"convert_{a.size}"), suffixes=(".json",))
-    work = Path(a.workdir) / a.size
-    shutil.rmtree(work, ignore_errors=True)
+    Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{a.size}-", dir=a.workdir))
+    print(f"working in {work}", flush=True)
     hf, ours, back = work / "hf", work / "ours", work / "back"
     try:
         made = make_random_checkpoint(hf, a.size)

@@ -304,6 +304,29 @@ def test_the_inference_profile_refuses_a_folder_holding_its_phases(tmp_path):
     assert {p.read_text() for p in tmp_path.glob("*.json")} == {"kept"}
 
 
+def test_the_conversion_benchmark_works_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """convert_bench makes a new folder under --workdir for its checkpoints and removes only
+    that one: a folder already there (say a user's `1b`) is neither written nor deleted."""
+    from benchmarks import convert_bench
+    mine = tmp_path / "1b"
+    mine.mkdir()
+    (mine / "model.safetensors").write_text("the user's")
+    monkeypatch.setattr(convert_bench, "RESULTS", tmp_path / "results")
+    made = []
+
+    def stop_after_recording(out, size, seed=0):
+        made.append(out)
+        out.mkdir(parents=True)
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(convert_bench, "make_random_checkpoint", stop_after_recording)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        convert_bench.main(["--size", "1b", "--workdir", str(tmp_path)])
+    assert made[0].parent.parent == tmp_path and made[0].parent != mine
+    assert not made[0].parent.exists()          # its own folder, removed
+    assert (mine / "model.safetensors").read_text() == "the user's"
+
+
 def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_path, monkeypatch):
     """The chains' in-model decode probe: the tiling becomes the decode kernel's defaults
     (checked fields only), and the records carry the command with it."""
