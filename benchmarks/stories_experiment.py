@@ -108,9 +108,19 @@ def sample_sequences(ckpt: Path, count: int, seed: int, batch: int = 16,
     return np.asarray(rows, np.int32)
 
 
+# `<checkpoint><this>` beside a fine-tuned checkpoint marks it as this script's (replaced by a
+# rerun); a folder without it is never deleted.
+FINE_TUNED_MARK = ".written_by_stories_experiment.json"
+
+
 def fine_tune(ckpt: Path, option: dict, data: np.ndarray, steps: int, batch_size: int,
               lr: float, out: Path) -> list[float]:
-    """Train every parameter with `option`'s attention on `data` rows; save to `out`."""
+    """Train every parameter with `option`'s attention on `data` rows; save to `out` (which
+    may be only this script's own earlier checkpoint)."""
+    mark = out.with_name(out.name + FINE_TUNED_MARK)
+    if out.exists() and not mark.exists():
+        raise SystemExit(f"{out} exists and this script did not write it: pass another "
+                         "--work, or move that folder away first.")
     import jax
     from flax import nnx
 
@@ -143,9 +153,10 @@ def fine_tune(ckpt: Path, option: dict, data: np.ndarray, steps: int, batch_size
         if s % 10 == 0 or s == steps - 1:
             print(f"  step {s + 1}/{steps}: loss {losses[-1]:.4f}", flush=True)
     params = train_step.merge_params(state.trainable, state.frozen)
-    if out.exists():                  # this script's own output from an earlier run
+    if out.exists():                  # this script's own, from an earlier run (checked above)
         shutil.rmtree(out)
     save_pretrained(out, jax.tree.map(np.asarray, params), model.config)
+    mark.write_text(json.dumps({"option": option, "steps": steps}) + "\n")
     return losses
 
 

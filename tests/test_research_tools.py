@@ -327,6 +327,20 @@ def test_the_conversion_benchmark_works_in_a_folder_of_its_own(tmp_path, monkeyp
     assert (mine / "model.safetensors").read_text() == "the user's"
 
 
+def test_the_stories_experiment_replaces_only_its_own_checkpoints(tmp_path):
+    """A fine-tune folder under --work that the experiment did not write stops it before it
+    trains; one it wrote (marked beside it) it may replace."""
+    from benchmarks import stories_experiment as experiment
+    theirs = tmp_path / "ft_cca"
+    theirs.mkdir()
+    with pytest.raises(SystemExit, match="ft_cca exists and this script did not write it"):
+        experiment.fine_tune(tmp_path / "no-checkpoint", {}, None, 1, 1, 1e-3, theirs)
+    assert theirs.exists()
+    (tmp_path / ("ft_cca" + experiment.FINE_TUNED_MARK)).write_text("{}")
+    with pytest.raises(FileNotFoundError, match="No checkpoint at"):   # past the check
+        experiment.fine_tune(tmp_path / "no-checkpoint", {}, None, 1, 1, 1e-3, theirs)
+
+
 def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_path, monkeypatch):
     """The chains' in-model decode probe: the tiling becomes the decode kernel's defaults
     (checked fields only), and the records carry the command with it."""
