@@ -20,8 +20,8 @@ from pallas_kernels.mosaic_gpu import blocked_attention_mosaic_gpu
 from pallas_kernels.mosaic_gpu.config import (SMEM_LIMIT_BYTES, backward_shared_memory_bytes,
                                               check_backward_shared_memory,
                                               fused_dq_by_columns, mosaic_backward_config)
-from tests.test_mosaic_gpu import (ROW_TOL, _core_reference64, _inputs, _lowered_text,
-                                   _naive_grads64, _segments, needs_hopper)
+from tests.mosaic_gpu_cases import (ROW_TOL, core_reference64, lowered_text, naive_grads64,
+                                    needs_hopper, random_inputs, random_segments)
 
 FUSED = {"fused_dq": True}
 
@@ -87,7 +87,7 @@ def test_interpreted_partials_sum_only_what_each_warpgroup_wrote(by_columns):
 def test_fused_gradient_lowers_for_cuda(dtype, d, hq, hkv, m, wgs, kernels):
     """jax.grad through the entry with `fused_dq`: no dq kernel, and the float32 dQ
     accumulator is aliased in and out of every key-side kernel (the reduce-adds' target)."""
-    text = _lowered_text(dtype, d, hq, hkv, 700, m, grad=True, backward="mosaic",
+    text = lowered_text(dtype, d, hq, hkv, 700, m, grad=True, backward="mosaic",
                          backward_tiling=dict(FUSED, compute_wgs=wgs))
     calls = [line for line in text.splitlines() if "mosaic_gpu_v2(" in line]
     assert len(calls) == kernels and "xla.gpu.triton" not in text
@@ -118,11 +118,11 @@ def test_interpreted_fused_backward_matches_float64_and_the_dq_kernel(case):
     from pallas_kernels.mosaic_gpu.interpret import interpret_params
     from tests.row_errors import row_max_error
     pattern, length, hq, hkv, packed, tiling, d = INTERPRETED[case]
-    q, k, v, ct = _inputs(1, length, hq, hkv, d, jnp.bfloat16, seed=len(case))
-    seg = jnp.asarray(_segments(1, length, 2)) if packed else None
+    q, k, v, ct = random_inputs(1, length, hq, hkv, d, jnp.bfloat16, seed=len(case))
+    seg = jnp.asarray(random_segments(1, length, 2)) if packed else None
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
     dout = ct.astype(q.dtype)
-    out, lse, want = _core_reference64(q, k, v, ck, cv, *bounds, dout)
+    out, lse, want = core_reference64(q, k, v, ck, cv, *bounds, dout)
     args = (q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype), jnp.asarray(lse), dout)
     fused, plain = (mosaic_backward(*args, mosaic_backward_config(head_dim=d, stages=2,
                                                                    fused_dq=f, **tiling),
@@ -148,7 +148,7 @@ def test_interpreted_fused_gradients_after_lead_rows_match_float64():
     from cca_jax.attention.pooling import slots_and_bounds
     from tests.row_errors import row_max_error
     pattern = blocks.CCA(4, 21, 8)
-    q, k, v, ct = _inputs(1, 100, 2, 1, 64, jnp.bfloat16, seed=0)
+    q, k, v, ct = random_inputs(1, 100, 2, 1, 64, jnp.bfloat16, seed=0)
 
     def loss(q, k, v):
         ck, cv, *bounds = slots_and_bounds(q, k, v, pattern)
@@ -158,7 +158,7 @@ def test_interpreted_fused_gradients_after_lead_rows_match_float64():
                                            backward="mosaic", backward_tiling=FUSED)
         return jnp.sum(out.astype(jnp.float32) * ct)
     got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    want = _naive_grads64(q, k, v, ct, pattern, None)
+    want = naive_grads64(q, k, v, ct, pattern, None)
     for name, g, w in zip("qkv", got, want):
         err = row_max_error(g, w)
         print(f"d{name}: row error vs float64 {err:.2e}")
@@ -183,8 +183,8 @@ def test_gpu_fused_backward_matches_float64_and_the_dq_kernel(dtype, d, hq, hkv,
     of one bf16/fp16 value."""
     from cca_jax.attention.pallas_mosaic_gpu import attention_mosaic_gpu
     from tests.row_errors import row_max_error
-    q, k, v, ct = _inputs(2, 1000, hq, hkv, d, jnp.dtype(dtype), seed=d + hq)
-    seg = jnp.asarray(_segments(2, 1000, 7)) if packed else None
+    q, k, v, ct = random_inputs(2, 1000, hq, hkv, d, jnp.dtype(dtype), seed=d + hq)
+    seg = jnp.asarray(random_segments(2, 1000, 7)) if packed else None
 
     def grads(tiling):
         def loss(q, k, v):
@@ -193,7 +193,7 @@ def test_gpu_fused_backward_matches_float64_and_the_dq_kernel(dtype, d, hq, hkv,
             return jnp.sum(out.astype(jnp.float32) * ct)
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     fused, again, plain = grads(FUSED), grads(FUSED), grads({})
-    want = _naive_grads64(q, k, v, ct, pattern, seg)
+    want = naive_grads64(q, k, v, ct, pattern, seg)
     for name, g, p, w in zip("qkv", fused, plain, want):
         err, vs_plain = row_max_error(g, w), row_max_error(g, p)
         print(f"{dtype} D={d} {pattern}: d{name} row error vs float64 {err:.2e}, vs the "
