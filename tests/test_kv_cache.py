@@ -978,14 +978,18 @@ def test_gpu_cache_programs_skip_xla_rematerialization(capfd):
     assert warning not in capfd.readouterr().err
 
 
-def test_decode_programs_keep_gemm_autotuning_and_only_serving_chunks_drop_it():
-    """XLA's GEMM autotuning off in the decode steps took one row at 128K from 5.26 to 12.32
-    ms per token on the H200 (benchmarks/results/research/h200_2026-12-07.md; 8.22 against
-    9.07 ms a step on an H100, research/decode_autotune_h100_1be4394.log); off in the server's
-    prefill chunks it cut their compile 4x at equal speed. So only the chunks turn it off."""
+def test_no_cache_program_turns_gemm_autotuning_off():
+    """Without XLA's GEMM autotuning the GEMM fusions run an untuned default tiling: at the
+    7B shape on an H100 a 256-token serving chunk took 256.90 ms against 14.37 with it
+    (research/serve_step_probe_h100_6a645d8.md), and one row decoded at 12.32 ms per token
+    against 5.26 on the H200 (research/h200_2026-12-07.md). So no program of the library sets
+    the option: not the cache programs' shared options, not any module's own."""
+    import pathlib
+
     from cca_jax.decode import DECODE_COMPILER_OPTIONS
     from cca_jax.kv_cache import CACHE_PROGRAM_COMPILER_OPTIONS
-    from cca_jax.serve.programs import CHUNK_COMPILER_OPTIONS
     for options in (CACHE_PROGRAM_COMPILER_OPTIONS, DECODE_COMPILER_OPTIONS):
         assert "xla_gpu_autotune_level" not in options, options
-    assert CHUNK_COMPILER_OPTIONS["xla_gpu_autotune_level"] == 0
+    library = pathlib.Path(__file__).parents[1] / "cca_jax"
+    setting = [str(p) for p in library.rglob("*.py") if "xla_gpu_autotune_level" in p.read_text()]
+    assert not setting, setting

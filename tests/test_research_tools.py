@@ -8,7 +8,18 @@ import pytest
 from benchmarks.research import chunk_attention, serve_step_probe, sinks_cost, sinks_pooling
 
 
-def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path):
+@pytest.fixture
+def compiles_anew():
+    """No persistent compilation cache: a program another test compiled is compiled again,
+    not loaded (its compile is what the test traces)."""
+    import jax
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
+def test_serve_step_probe_records_memory_and_writes_hlo(tmp_path, compiles_anew):
     out, hlo = tmp_path / "probe", tmp_path / "hlo"
     assert serve_step_probe.main(["--small", "--max-batch", "2", "--max-len", "64",
                                   "--contexts", "32", "--chunks", "8", "--active", "1",

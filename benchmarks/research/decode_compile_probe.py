@@ -35,7 +35,8 @@ Variants:
                  it runs after the stacked variants (the real weights are unstacked in place)
 A variant that fails to compile prints its error and the probe goes on. Variants in one
 process share XLA's tuned GEMM configurations: one compiled after another with alike fusions
-finds them tuned (autotune_1 after base: 6.6 s against 37.0, research/h100_2026-12-06g.md);
+finds them tuned (autotune_1 after base: 6.6 s against 37.0, research/h100_2026-12-06g.md),
+and an untuned one (`no_autotune`) then runs them too, so untuned variants compile first;
 name one variant a run for its own compile time.
 """
 
@@ -189,6 +190,9 @@ def main(argv=None):
     if args.parallel:
         print(json.dumps(parallel_compile(args.shape, args.batch, args.max_len, names)))
         return
+    # untuned first: one compiled after a tuned variant would run the tuned configurations
+    names.sort(key=lambda name: VARIANTS[name].get("options", {}).get(
+        "xla_gpu_autotune_level") != 0)
     real = model = None
     if args.steps:   # the stacked variants first: the weights are unstacked once, in place
         from flax import nnx

@@ -116,10 +116,12 @@ COMPILE_EVENTS = 25   # the longest host events of a traced compile kept (--comp
 
 # XLA option sets a program can be compiled with besides its own (`--variants`): GPU command
 # buffers (CUDA graphs) record a program's kernels and replay them, updated when its buffers
-# move; XLA's GEMM autotuning off (each unrolled layer's matmuls read their weights at their
-# own offsets: is every layer's GEMM fusion autotuned anew, the slow part of the compile?
-# It was: the chunk programs' own options turn it off since 2026-12-06 (the decode step's
-# again since 2026-12-07), `autotune` back on at XLA's default level)
+# move; XLA's GEMM autotuning off (`no_autotune`: a quicker compile, each GEMM fusion at an
+# untuned default tiling) or at a given level. Variants in one process share XLA's tuned
+# configurations (decode_compile_probe.py), and an untuned variant compiled after a tuned one
+# looked free: a 256-token chunk ran 16.01 ms in session 23 (research/h100_2026-12-06i.md),
+# 256.90 compiled first (research/serve_step_probe_h100_6a645d8.md). So untuned variants
+# compile first.
 VARIANTS = {"default": {}, "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
             "no_autotune": {"xla_gpu_autotune_level": 0},
             "autotune": {"xla_gpu_autotune_level": 4},
@@ -264,7 +266,8 @@ def main(argv=None) -> int:
                                  for value in (args.contexts, args.chunks, args.active))
     if max(contexts) + max(chunks) > trace.max_len:
         raise SystemExit(f"--contexts + --chunks must stay within --max-len {trace.max_len}")
-    variants = args.variants.split(",")
+    variants = sorted(args.variants.split(","),   # untuned first: see VARIANTS
+                      key=lambda name: VARIANTS.get(name, {}).get("xla_gpu_autotune_level") != 0)
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")

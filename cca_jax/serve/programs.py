@@ -5,7 +5,6 @@ token sampled, and the logprobs of sampled tokens (run only when a request asks)
 from __future__ import annotations
 
 import functools
-import types
 import typing
 
 import jax
@@ -15,16 +14,6 @@ from cca_jax.decode import DECODE_COMPILER_OPTIONS, decode_step_traced
 from cca_jax.kv_cache import CACHE_PROGRAM_COMPILER_OPTIONS
 from cca_jax.prefill import prefill_chunk_traced
 from cca_jax.sampling import sample_rows
-
-# The server's prefill chunks also compile without GEMM autotuning (`xla_gpu_autotune_level`
-# 0): it was three quarters of their compile and bought nothing. At the 7B shape, 8 rows of
-# 128K, on an H100, a 256-token chunk compiled in 11.2 s instead of 45.9 and ran 16.01 ms
-# against 16.17 (research/h100_2026-12-06i.md). Not the decode steps (one product row per
-# batch row): with it off, one row at 128K decoded at 12.32 ms per token on the H200
-# (research/h200_2026-12-07.md), against 5.26 there before and 6.66 on an H100 at the commit
-# before it was turned off, the decode program otherwise unchanged.
-CHUNK_COMPILER_OPTIONS = types.MappingProxyType(
-    {**CACHE_PROGRAM_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0})
 
 # The most alternatives a request may ask logprobs for (OpenAI's chat limit; completions: 5).
 TOP_LOGPROBS = 20
@@ -45,8 +34,15 @@ def reset_rows(cache, rows_mask):
     return cache.replace(lengths=jnp.where(rows_mask, 0, cache.lengths))
 
 
+# Every program here compiles with XLA's GEMM autotuning (its default level). Without it a
+# GEMM fusion runs XLA's untuned default tiling: on an H100 at the 7B shape, 8 rows x 128K,
+# a 256-token chunk took 256.90 ms against 14.37 tuned, a 2048-token one 2000.15 against
+# 64.27 (research/serve_step_probe_h100_6a645d8.md), and one row decoded at 12.32 ms per
+# token against 5.26 on the H200 (research/h200_2026-12-07.md). An earlier probe that found
+# it free had compiled the untuned programs after tuned ones in the same process, whose
+# tuned configurations XLA most likely reused (cca_jax/serve/NOTES.md).
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("unroll",),
-                   compiler_options=dict(CHUNK_COMPILER_OPTIONS))
+                   compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
 def prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
                        top_p, *, unroll=False):
     """One prefill chunk into cache rows `rows` [P], then each row's first token (its token
