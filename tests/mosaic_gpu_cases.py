@@ -75,6 +75,7 @@ def dense_reference(q, k, v, ck, cv, bounds):
 
 
 def random_segments(b, length, seed):
+    """Segment ids `[b, length]` of packed rows: three documents a row, cut at random."""
     rng = np.random.default_rng(seed)
     cuts = [np.sort(rng.choice(np.arange(1, length), 2, replace=False)) for _ in range(b)]
     return np.stack([np.searchsorted(c, np.arange(length), side="right")
@@ -82,6 +83,7 @@ def random_segments(b, length, seed):
 
 
 def on_hopper() -> bool:
+    """Whether jax's default device is a GPU of compute capability 9.0 or later."""
     if jax.default_backend() != "gpu":
         return False
     cc = getattr(jax.devices()[0], "compute_capability", "0")
@@ -98,6 +100,8 @@ ROW_TOL = {"bfloat16": dict(out=6e-3, grad=2.5e-2), "float16": dict(out=3e-3, gr
 
 
 def random_inputs(b, length, hq, hkv, d, dtype, seed):
+    """Standard normal q `[b, L, hq, d]`, k and v `[b, L, hkv, d]` in `dtype`, and a float32
+    cotangent shaped like q."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = jax.random.normal(ks[0], (b, length, hq, d), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (b, length, hkv, d), jnp.float32).astype(dtype)
