@@ -50,10 +50,12 @@ def test_serve_step_probe_times_each_program_once_per_xla_option_set(tmp_path):
     assert serve_step_probe.main(["--small", "--max-batch", "2", "--max-len", "64",
                                   "--contexts", "32", "--chunks", "8", "--active", "1",
                                   "--rounds", "1", "--no-direct", "--layers", "1",
-                                  "--variants", "default,no_command_buffer",
+                                  "--variants", "default,no_command_buffer,no_autotune",
                                   "--out", str(out)]) == 0
     records = json.loads((tmp_path / "probe.json").read_text())
+    # the untuned variant compiles first: after a tuned one it would run the tuned GEMMs
     assert [(r["program"], r["variant"], r["tokens"]) for r in records] == [
+        ("chunk 8", "no_autotune", 8), ("decode 1", "no_autotune", 1),
         ("chunk 8", "default", 8), ("decode 1", "default", 1),
         ("chunk 8", "no_command_buffer", 8), ("decode 1", "no_command_buffer", 1)]
     assert "| 32 | decode 1 | no_command_buffer |" in (tmp_path / "probe.md").read_text()
@@ -171,14 +173,17 @@ def test_the_device_chains_name_only_variants_the_probes_have():
 
 def test_decode_compile_probe_times_the_stacked_and_unstacked_steps(capsys):
     """With `--steps` the probe times the stacked variants on the real weights, then unstacks
-    them in place for the `unstacked` variant, whatever order the variants are named in."""
+    them in place for the `unstacked` variant, whatever order the variants are named in; an
+    untuned variant compiles before the tuned ones (after them it would run their GEMMs)."""
     from benchmarks.research import decode_compile_probe as probe
 
     probe.main(["--shape", "tiny", "--batch", "2", "--max-len", "64", "--steps", "2",
-                "--variants", "unstacked,base"])
+                "--variants", "unstacked,base,no_autotune"])
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["variant"] for r in records] == ["base", "unstacked"], records
-    assert all(r["step_ms"] > 0 and r["compile_s"] > 0 for r in records)
+    assert [r["variant"] for r in records] == ["no_autotune", "base", "unstacked"], records
+    assert all(r["step_ms"] > 0 for r in records)
+    # (on the CPU `base` is `no_autotune`'s program, found compiled: a GPU option)
+    assert records[0]["compile_s"] > 0 and records[2]["compile_s"] > 0, records
 
 
 def test_the_mosaic_forward_is_lowered_once_for_alike_layers(tmp_path):
