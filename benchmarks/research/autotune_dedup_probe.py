@@ -20,8 +20,9 @@ and prints/writes for each: seconds to compile, the median ms of a call, the GEM
 the optimized program and how many of them are distinct once parameter names are dropped,
 and the bytes of XLA's temporaries (a copy of the weights would show there).
 XLA keeps tuned GEMM configurations for the process: a way compiled after another with the
-same fusions finds them tuned (no_autotune and autotune_1 after stacked; `--ways` one at a
-time for their own compile time).
+same fusions finds them tuned (autotune_1 after stacked; `--ways` one at a time for their own
+compile time), and an untuned way after a tuned one would run their tiling, so `no_autotune`
+compiles first (`untuned_first`).
 Writes `<out>.json` (stamped records) and `<out>.md`.
 """
 
@@ -99,6 +100,15 @@ def gemm_fusions(hlo: str) -> tuple[int, int]:
     return len(bodies), len(set(bodies))
 
 
+def untuned_first(names, autotune_level) -> list:
+    """`names` with those compiled without GEMM autotuning (`autotune_level(name) == 0`)
+    first, the order kept otherwise. XLA keeps tuned GEMM configurations for the process, so
+    an untuned program compiled after a tuned one with alike fusions runs their tiling: a
+    256-token serving chunk at the 7B shape ran 16.01 ms that way on an H100, 256.90
+    compiled first (research/h100_2026-12-06i.md, serve_step_probe_h100_6a645d8.md)."""
+    return sorted(names, key=lambda name: autotune_level(name) != 0)
+
+
 def probe(way: str, args, key) -> tuple[np.ndarray, dict]:
     """(the stack's output as float32, the record) for one way of holding the weights."""
     shapes = weight_shapes(args.hidden, args.inner)
@@ -151,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/research/autotune_dedup_probe")
     args = ap.parse_args(argv)
     claim_output(args.out)
-    ways = args.ways.split(",")
+    ways = untuned_first(args.ways.split(","), lambda way: AUTOTUNE_LEVEL.get(way))
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
         raise SystemExit(f"--ways: unknown {unknown}; choose from {list(WAYS)}")

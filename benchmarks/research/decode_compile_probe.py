@@ -56,6 +56,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 from benchmarks.inference import SHAPES  # noqa: E402
 from benchmarks.measure import PAPER_PATTERNS  # noqa: E402
+from benchmarks.research.autotune_dedup_probe import untuned_first  # noqa: E402
 
 VARIANTS = {
     "base": dict(pool_slots=True),
@@ -190,9 +191,8 @@ def main(argv=None):
     if args.parallel:
         print(json.dumps(parallel_compile(args.shape, args.batch, args.max_len, names)))
         return
-    # untuned first: one compiled after a tuned variant would run the tuned configurations
-    names.sort(key=lambda name: VARIANTS[name].get("options", {}).get(
-        "xla_gpu_autotune_level") != 0)
+    names = untuned_first(names, lambda name: VARIANTS[name].get("options", {}).get(
+        "xla_gpu_autotune_level"))
     real = model = None
     if args.steps:   # the stacked variants first: the weights are unstacked once, in place
         from flax import nnx

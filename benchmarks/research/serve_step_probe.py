@@ -45,7 +45,7 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
-from benchmarks.research.autotune_dedup_probe import gemm_fusions  # noqa: E402
+from benchmarks.research.autotune_dedup_probe import gemm_fusions, untuned_first  # noqa: E402
 from benchmarks.research.profile_inference import host_event_table  # noqa: E402
 from benchmarks.measure import (claim_output, round_robin, stamp, table_heading,  # noqa: E402
                                 write_results)
@@ -266,8 +266,8 @@ def main(argv=None) -> int:
                                  for value in (args.contexts, args.chunks, args.active))
     if max(contexts) + max(chunks) > trace.max_len:
         raise SystemExit(f"--contexts + --chunks must stay within --max-len {trace.max_len}")
-    variants = sorted(args.variants.split(","),   # untuned first: see VARIANTS
-                      key=lambda name: VARIANTS.get(name, {}).get("xla_gpu_autotune_level") != 0)
+    variants = untuned_first(args.variants.split(","),   # see VARIANTS
+                             lambda name: VARIANTS.get(name, {}).get("xla_gpu_autotune_level"))
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
