@@ -72,11 +72,9 @@ SLOT_TILE = 8
 # XLA options of the programs that update a donated cache in place and whose own
 # temporaries are small beside it: decode steps and the server's prefill chunks (not
 # `prefill_chunk` itself: a whole 128K prompt in one chunk may need XLA's rematerialization).
-# That GPU pass counts the donated cache twice, as an input and again as the output it
-# aliases: for the 7B shape with 8 rows of 128K on an H100 it planned 87.5 GiB against a
-# 46.3 GiB limit, where the chunk program's temporaries are 187 MiB. It reduced nothing (no
-# op recomputed) and warned "Can't reduce memory use below ..." at every compile, which reads
-# as a copy of the cache; without it the 7B decode step at B 16 compiles in 57 s, not 67
+# That GPU pass counts the donated cache twice (as an input and as the output it aliases), so
+# at a cache of most of the memory it plans for twice the cache, recomputes nothing, warns
+# "Can't reduce memory use below ..." at every compile and lengthens the compile
 # (benchmarks/results/research/h100_2026-12-06d.md). Other backends ignore the option.
 CACHE_PROGRAM_COMPILER_OPTIONS = types.MappingProxyType(
     {"xla_disable_hlo_passes": "rematerialization"})

@@ -4,13 +4,9 @@ forward of `pallas_kernels.mosaic_gpu` (imported lazily: an optional accelerator
 Its gradient is the Mosaic GPU backward (`backward="triton"` selects the Triton-lowered
 one). Its decode step is the Mosaic GPU decode kernel for every cache it takes
 (bfloat16/float16, D 64, 80, 96, 128 or 256, up to 16 query heads per KV head at D <= 128, 8 at
-D = 256); on the H200 it is 1.05x the Triton kernel at G = 1 and 1.02x at G = 4
-(benchmarks/results/research/mosaic_gpu_decode_sweep_h200.md). In the 7B model it once
-measured slower (7.74 against 5.3 ms/token): XLA padded the stacked slots every step, a cost
-outside the kernel that `kv_cache.slot_capacity` removes
-(benchmarks/results/research/h100_2026-12-06c.md). A cache it refuses goes to the Triton
-decode kernel (`pallas_gpu`) while JAX has it: the same function in a float32 softmax, so
-the choice changes speed, not results (logged once). Forward timings:
+D = 256; speed against the Triton kernel: pallas_kernels/mosaic_gpu/DECODE-NOTES.md). A cache
+it refuses goes to the Triton decode kernel (`pallas_gpu`) while JAX has it: the same
+function in a float32 softmax, so the choice changes speed, not results (logged once). Forward timings:
 benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
 sm_90+ GPUs for bfloat16 and float16 up to head dim 128; float32 and older GPUs go to
 `pallas_gpu` or `xla`, and so do head dims 129-256 while JAX has the Triton lowering (the

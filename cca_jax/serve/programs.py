@@ -34,13 +34,9 @@ def reset_rows(cache, rows_mask):
     return cache.replace(lengths=jnp.where(rows_mask, 0, cache.lengths))
 
 
-# Every program here compiles with XLA's GEMM autotuning (its default level). Without it a
-# GEMM fusion runs XLA's untuned default tiling: on an H100 at the 7B shape, 8 rows x 128K,
-# a 256-token chunk took 256.90 ms against 14.37 tuned, a 2048-token one 2000.15 against
-# 64.27 (research/serve_step_probe_h100_6a645d8.md), and one row decoded at 12.32 ms per
-# token against 5.26 on the H200 (research/h200_2026-12-07.md). An earlier probe that found
-# it free had compiled the untuned programs after tuned ones in the same process, whose
-# tuned configurations XLA most likely reused (cca_jax/serve/NOTES.md).
+# Every program here compiles with XLA's GEMM autotuning (its default level): untuned GEMM
+# fusions ran 18x slower in the 7B serving chunk and 2.3x in a decode step (measured:
+# cca_jax/serve/NOTES.md; `test_no_cache_program_turns_gemm_autotuning_off` keeps it so).
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("unroll",),
                    compiler_options=dict(CACHE_PROGRAM_COMPILER_OPTIONS))
 def prefill_and_sample(model_state, cache, rows, ids, n_valid, seeds, temperature, top_k,
