@@ -285,3 +285,27 @@ def test_itl_target_picks_the_interleaved_chunk(target_ms, chunks):
     assert stats["step_times"]["interleaved_chunks"] == chunks
     assert stats["step_times"]["interleaved_tokens"] == 39
     assert set(stats["program_ms"]) == {"4", "8", "16", "decode"}
+
+
+def test_serve_trace_start_children_take_the_trace_flags_and_another_max_len(monkeypatch):
+    """The start-time children get the trace's flags; the third one (`other_len_start_s`) a
+    shorter `--max-len`, so that every program compiles anew against a filled cache."""
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.serve_trace as serve_trace
+
+    commands = []
+
+    def run(cmd, **kwargs):
+        commands.append(cmd)
+        return types.SimpleNamespace(stdout='noise\n{"ready": true}\n')
+    monkeypatch.setattr(serve_trace.subprocess, "run", run)
+    args = serve_trace.build_parser().parse_args(
+        ["--small", "--attention", "cca", "--chunk-size", "16", "--max-len", "256"])
+    trace = dataclasses.replace(serve_trace.SMALL, max_len=256)
+    for max_len in (None, serve_trace.other_max_len(trace)):
+        assert serve_trace.start_time("cca", args, "/tmp/cache", max_len) >= 0
+    value = lambda cmd, flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+    assert [value(c, "--max-len") for c in commands] == ["256", "192"]
+    for cmd in commands:
+        assert "--start-only" in cmd and "--small" in cmd
+        assert value(cmd, "--chunk-size") == "16" and value(cmd, "--compile-cache") == "/tmp/cache"
