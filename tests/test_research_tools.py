@@ -379,3 +379,32 @@ def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_pa
     records = json.loads((tmp_path / "inf.json").read_text())
     assert records and all('--tiling {"edge_masks_only": true, "stages": 3}' in r["command"]
                            for r in records)
+
+
+def test_kernel_registers_reads_ptxas_report_per_function():
+    """kernel_registers.parse: each entry function's registers, spills and stack from
+    ptxas's lines (a function without a spill line has none recorded), and every kernel's
+    shared memory from the tilings' own accounting."""
+    from benchmarks.research import kernel_registers
+    report = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'cca_forward_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for cca_forward_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+ptxas info    : Compiling entry function 'cca_dq_mosaic_gpu_kernel' for 'sm_90a'
+    16 bytes stack frame, 24 bytes spill stores, 32 bytes spill loads
+ptxas info    : Used 232 registers
+ptxas info    : Compiling entry function 'cca_decode_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Used 90 registers"""
+    got = kernel_registers.parse(report)
+    assert [r["function"] for r in got] == ["cca_forward_mosaic_gpu_kernel",
+                                           "cca_dq_mosaic_gpu_kernel",
+                                           "cca_decode_mosaic_gpu_kernel"]
+    assert got[0] == dict(function="cca_forward_mosaic_gpu_kernel", registers=168,
+                          stack_bytes=0, spill_store_bytes=0, spill_load_bytes=0)
+    assert (got[1]["registers"], got[1]["spill_store_bytes"], got[1]["spill_load_bytes"],
+            got[1]["stack_bytes"]) == (232, 24, 32, 16)
+    assert got[2] == dict(function="cca_decode_mosaic_gpu_kernel", registers=90)
+    smem = kernel_registers.shared_memory()
+    assert set(smem) == {"cca_forward", "cca_dq", "cca_dk_dv", "cca_dck_dcv", "cca_decode"}
+    assert all(100 < kib <= 227 for kib in smem.values()), smem   # one CTA an SM, each
