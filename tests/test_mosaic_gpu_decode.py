@@ -23,10 +23,10 @@ import pytest
 
 from cca_jax import blocks
 from cca_jax.blocks import DecodeBounds
-from pallas_kernels.mosaic_gpu.decode import (SMEM_LIMIT_BYTES, MosaicDecodeConfig,
-                                              decode_attention_mosaic_gpu, decode_config,
-                                              decode_refusal, resolve_splits,
-                                              shared_memory_bytes)
+from pallas_kernels.mosaic_gpu.decode import decode_attention_mosaic_gpu
+from pallas_kernels.mosaic_gpu.decode_config import (SMEM_LIMIT_BYTES, MosaicDecodeConfig,
+                                                     decode_config, decode_refusal,
+                                                     resolve_splits, shared_memory_bytes)
 
 S = jax.ShapeDtypeStruct
 

@@ -256,7 +256,7 @@ def test_the_device_chains_name_only_tilings_the_kernels_take():
     import shlex
 
     from pallas_kernels.mosaic_gpu.config import mosaic_backward_config
-    from pallas_kernels.mosaic_gpu.decode import decode_config
+    from pallas_kernels.mosaic_gpu.decode_config import decode_config
     makers = {"--mosaic-tilings": decode_config, "--backward-tilings": mosaic_backward_config}
     checked = 0
     for chain in sorted((pathlib.Path(__file__).parents[1] / "benchmarks/device_chain")
@@ -363,7 +363,7 @@ def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_pa
     """The chains' in-model decode probe: the tiling becomes the decode kernel's defaults
     (checked fields only), and the records carry the command with it."""
     from benchmarks.research import decode_tiling_inference as probe
-    from pallas_kernels.mosaic_gpu import decode
+    from pallas_kernels.mosaic_gpu import decode_config as decode
     monkeypatch.setattr(decode.MosaicDecodeConfig.__new__, "__defaults__",
                         decode.MosaicDecodeConfig.__new__.__defaults__)
     with pytest.raises(ValueError, match="unknown Mosaic GPU decode setting"):

@@ -1,6 +1,6 @@
 """`benchmarks/inference.py` with the Mosaic GPU decode kernel's defaults replaced by a
 tiling: the kernel's options measured in the model, not per call (research only; the
-library takes its tilings from `pallas_kernels.mosaic_gpu.decode.decode_config`).
+library takes its tilings from `pallas_kernels.mosaic_gpu.decode_config.decode_config`).
 
     python benchmarks/research/decode_tiling_inference.py --tiling '{"edge_masks_only": true}'
         [benchmarks/inference.py's arguments]
@@ -23,7 +23,7 @@ sys.path.insert(0, _REPO)   # the repository root: benchmarks.*, cca_jax
 
 def use_tiling(tiling: dict) -> None:
     """Make `tiling` (MosaicDecodeConfig fields, checked by `decode_config`) the defaults."""
-    from pallas_kernels.mosaic_gpu import decode
+    from pallas_kernels.mosaic_gpu import decode_config as decode
     decode.decode_config(**tiling)        # a ValueError naming a bad field or value
     fields = decode.MosaicDecodeConfig._fields
     defaults = dict(zip(fields, decode.MosaicDecodeConfig.__new__.__defaults__))

@@ -82,7 +82,8 @@ def parse(text: str) -> list[dict]:
 
 def shared_memory() -> dict:
     """KiB of shared memory each kernel's default tiling allocates, by kernel name."""
-    from pallas_kernels.mosaic_gpu import config, decode
+    from pallas_kernels.mosaic_gpu import config
+    from pallas_kernels.mosaic_gpu import decode_config as decode
     backward = config.backward_shared_memory_bytes(config.mosaic_backward_config(head_dim=D), D)
     kib = {"cca_forward": config.shared_memory_bytes(config.mosaic_config(head_dim=D), D),
            "cca_dq": backward["dq"], "cca_dk_dv": backward["keys"],

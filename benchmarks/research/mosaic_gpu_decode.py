@@ -51,6 +51,7 @@ def _kernels(mosaic_tilings: list, interpret: bool = False) -> dict:
     tiny --hq, --layers, --context, --max-len)."""
     from pallas_kernels.gpu import decode_attention_pallas_gpu
     from pallas_kernels.mosaic_gpu import decode as mdecode
+    from pallas_kernels.mosaic_gpu.decode_config import decode_config
     from pallas_kernels.mosaic_gpu.interpret import interpret_params
     kernels = {"triton": lambda q, i, k, v, ck, cv, b: decode_attention_pallas_gpu(
         q, k, v, ck, cv, b, layer=i, out_dtype=q.dtype, interpret=interpret)}
@@ -66,7 +67,7 @@ def _kernels(mosaic_tilings: list, interpret: bool = False) -> dict:
 
         def kernel_only(q, i, k, v, ck, cv, b, tiling=tiling):
             groups = q.shape[1] // k.shape[-2]
-            cfg = mdecode.decode_config(groups=groups, **tiling)
+            cfg = decode_config(groups=groups, **tiling)
             acc, _ = partials(q, k, v, ck, cv, i, b, cfg, True, params)
             piece = acc[:, :, 0]
             if cfg.keys_along_rows:                 # [B, Hkv, D, 16]

@@ -178,7 +178,7 @@ class MosaicGpuBackend(Backend):
             borrowed = PALLAS_GPU.supports(option, platform, dtype, head_dim, packed, entry)
             if borrowed is None:
                 return None
-            from pallas_kernels.mosaic_gpu.decode import decode_refusal
+            from pallas_kernels.mosaic_gpu.decode_config import decode_refusal
             own = decode_refusal(dtype, head_dim, 1, 1)   # G is checked per call
             return None if own is None else f"{own}, and the Triton decode kernel: {borrowed}"
         if dtype not in _DTYPES:
@@ -234,7 +234,7 @@ class MosaicGpuBackend(Backend):
             first_row=first_row, key_splits=splits, interpret=_interpret_default(None))
 
     def _decode(self, q, k_all, v_all, ck, cv, layer, pattern, positions):
-        from pallas_kernels.mosaic_gpu.decode import decode_refusal
+        from pallas_kernels.mosaic_gpu.decode_config import decode_refusal
         d = q.shape[-1]
         reason = decode_refusal(k_all.dtype, d, q.shape[1], k_all.shape[-2])
         if reason is not None:
