@@ -383,14 +383,16 @@ def test_decode_tiling_inference_runs_the_model_with_the_kernels_defaults(tmp_pa
 
 def test_kernel_registers_reads_ptxas_report_per_function():
     """kernel_registers.parse: each entry function's registers, spills and stack from
-    ptxas's lines (a function without a spill line has none recorded), and every kernel's
-    shared memory from the tilings' own accounting."""
+    ptxas's lines (a function without a spill line has none recorded; a spill warning,
+    printed before the function it names, is not the previous function's), and every
+    kernel's shared memory from the tilings' own accounting."""
     from benchmarks.research import kernel_registers
     report = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'cca_forward_mosaic_gpu_kernel' for 'sm_90a'
 ptxas info    : Function properties for cca_forward_mosaic_gpu_kernel
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 168 registers, used 1 barriers
+ptxas warning : Registers are spilled to local memory in function 'cca_dq_mosaic_gpu_kernel', 24 bytes spill stores, 32 bytes spill loads
 ptxas info    : Compiling entry function 'cca_dq_mosaic_gpu_kernel' for 'sm_90a'
     16 bytes stack frame, 24 bytes spill stores, 32 bytes spill loads
 ptxas info    : Used 232 registers
