@@ -26,11 +26,13 @@ def test_engine_unrolls_its_small_chunks_on_gpus_only(monkeypatch):
     tokens (prefill_rows x chunk) run their layers unrolled; larger ones, every chunk on
     other backends, and every chunk with 0 keep the scan (`generate` always does)."""
     from cca_jax.serve import engine, engine_config
-    cfg = engine_config.EngineConfig(chunk_size=2048, decode_chunk_size=256)
+    cfg = engine_config.EngineConfig(chunk_size=4096, decode_chunk_size=256)
+    assert cfg.unroll_chunk_tokens == 2048                        # the default
     assert not cfg.unrolls(256)                                   # this CPU
     monkeypatch.setattr(engine_config.jax, "default_backend", lambda: "gpu")
-    assert cfg.unrolls(256) and cfg.unrolls(512) and not cfg.unrolls(2048)
-    assert not dataclasses.replace(cfg, prefill_rows=4).unrolls(256)   # 1024 tokens
+    assert cfg.unrolls(256) and cfg.unrolls(2048) and not cfg.unrolls(4096)
+    assert dataclasses.replace(cfg, prefill_rows=4).unrolls(512)         # 2048 tokens
+    assert not dataclasses.replace(cfg, prefill_rows=4).unrolls(1024)    # 4096 tokens
     assert not dataclasses.replace(cfg, unroll_chunk_tokens=0).unrolls(1)
     with pytest.raises(ValueError, match="unroll_chunk_tokens must be an int >= 0"):
         dataclasses.replace(cfg, unroll_chunk_tokens=-1).check()
@@ -43,10 +45,10 @@ def test_engine_unrolls_its_small_chunks_on_gpus_only(monkeypatch):
     monkeypatch.setattr(engine.programs, "prefill_and_sample", program)
     fake = types.SimpleNamespace(config=cfg, mesh=None, _model_state=None, _cache=None)
     fake._settings = lambda seqs: engine.Engine._settings(fake, seqs)
-    for chunk in (256, 2048):
+    for chunk in (256, 4096):
         engine.Engine._run_prefill(fake, None, np.zeros((1, chunk), np.int32),
                                    np.zeros(1, np.int32), [None])
-    assert calls == [((1, 256), True), ((1, 2048), False)]
+    assert calls == [((1, 256), True), ((1, 4096), False)]
 
 
 def test_compile_cache_flags(tmp_path, monkeypatch):

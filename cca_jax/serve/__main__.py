@@ -69,10 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the checkpoint's)")
     ap.add_argument("--unroll-chunk-tokens", type=int, default=DEFAULTS.unroll_chunk_tokens,
                     metavar="N", help="on a GPU, prefill chunks of up to N tokens (times "
-                    "--prefill-rows) run their layers unrolled: faster turns, but at the 7B "
-                    "shape about 2 minutes of compile each at first start; larger chunks "
-                    "scan the layers, compiled in seconds; 0 scans every chunk, the quickest "
-                    f"cold start (default: {DEFAULTS.unroll_chunk_tokens})")
+                    "--prefill-rows) run their layers unrolled: faster turns (7-19%% at the "
+                    "7B shape), but each compiles about twice as long at first start; "
+                    "larger chunks scan the layers; 0 scans every chunk, the quickest cold "
+                    f"start (default: {DEFAULTS.unroll_chunk_tokens})")
     ap.add_argument("--parallel-compile", action="store_true",
                     help="at start-up, compile the prefill and decode programs in threads "
                     "at once instead of one after another (not yet measured faster)")

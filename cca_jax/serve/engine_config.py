@@ -26,9 +26,9 @@ class EngineConfig:
     # None: always decode_chunk_size
     itl_target_ms: float | None = None
     # on a GPU, prefill chunks of at most this many tokens (prefill_rows x chunk) run their
-    # layers unrolled (`prefill_chunk(unroll_layers=True)`: weights read in place, ~4 ms a
-    # chunk less at the 7B shape, a compile several times longer); 0: never
-    unroll_chunk_tokens: int = 512
+    # layers unrolled (`prefill_chunk(unroll_layers=True)`: weights read in place, faster
+    # turns for a compile about twice as long: cca_jax/serve/NOTES.md); 0: never
+    unroll_chunk_tokens: int = 2048
     # compile the prefill and decode programs at start-up in threads at once (XLA compiles
     # outside the GIL), so that a cold start may wait for the longest compile, not their
     # sum. Off by default: on a 2-core CPU it started slower (16 layers: 18.29 s against
