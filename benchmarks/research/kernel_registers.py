@@ -1,6 +1,7 @@
 """What ptxas says of each Mosaic GPU kernel: registers per thread, spills, stack (sm_90).
 
-    python benchmarks/research/kernel_registers.py [--out benchmarks/results/research/kernel_registers_h200]
+    python benchmarks/research/kernel_registers.py \\
+        [--out benchmarks/results/research/kernel_registers_h200] [--reparse]
 
 Issue 26 asks, where a target is missed, what limits each kernel: issue rate, shared memory,
 registers or the power cap. This answers the register part. In a child process with

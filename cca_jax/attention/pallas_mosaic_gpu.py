@@ -6,8 +6,8 @@ one). Its decode step is the Mosaic GPU decode kernel for every cache it takes
 (bfloat16/float16, D 64, 80, 96, 128 or 256, up to 16 query heads per KV head at D <= 128, 8 at
 D = 256; speed against the Triton kernel: pallas_kernels/mosaic_gpu/DECODE-NOTES.md). A cache
 it refuses goes to the Triton decode kernel (`pallas_gpu`) while JAX has it: the same
-function in a float32 softmax, so the choice changes speed, not results (logged once). Forward timings:
-benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
+function in a float32 softmax, so the choice changes speed, not results (logged once).
+Forward timings: benchmarks/results/research/mosaic_gpu_cca_h200.md. `auto` picks it before `pallas_gpu` on
 sm_90+ GPUs for bfloat16 and float16 up to head dim 128; float32 and older GPUs go to
 `pallas_gpu` or `xla`, and so do head dims 129-256 while JAX has the Triton lowering (the
 256-wide Mosaic kernels run when asked for by name, or when the Triton lowering is gone).
