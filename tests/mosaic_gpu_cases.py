@@ -136,8 +136,8 @@ def sinks_through_the_backend(q, k, v, ct, pattern):
 
 
 def sinks_reference64(q, k, v, ct, pattern):
-    """SPEC 6 (tests/test_cca_sinks.py) in float64: output and q/k/v gradients."""
-    from tests.test_cca_sinks import sinks_reference
+    """SPEC 6 (tests/cca_sinks_cases.py) in float64: output and q/k/v gradients."""
+    from tests.cca_sinks_cases import sinks_reference
     args = (pattern.group_size, pattern.window_size, pattern.sink_tokens)
     with jax.enable_x64():
         x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, ct)]

@@ -153,7 +153,7 @@ def test_gpu_narrow_head_with_sinks_matches_float64_and_triton(dtype, d):
     output against SPEC 6 in float64 row by row and against the Triton kernels; gradients
     (the Mosaic backward, fed with this forward's log2-sum-exp) against Triton's."""
     from tests.row_errors import row_max_error
-    from tests.test_cca_sinks import sinks_reference
+    from tests.cca_sinks_cases import sinks_reference
     pattern = blocks.CCA(16, 256, 4)
     q, k, v, ct = random_inputs(2, 1000, 4, 2, d, jnp.dtype(dtype), seed=11)
     assert blocks.narrow_heads(pattern, 1000, 128, 64 if d == 256 else 128, 16) == 5

@@ -98,7 +98,7 @@ def test_interpreted_narrow_head_with_sinks_matches_float64(narrow):
     from cca_jax.attention.pooling import slots_and_bounds
     from pallas_kernels.mosaic_gpu.tables import RAW_HEAD
     from tests.row_errors import row_max_error
-    from tests.test_cca_sinks import sinks_reference
+    from tests.cca_sinks_cases import sinks_reference
     length, pattern, tiling = 300, blocks.CCA(16, 64, 4), dict(compute_wgs=2, block_kv=64)
     q, k, v, _ = random_inputs(1, length, 2, 1, 64, jnp.bfloat16, seed=3)
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern)
