@@ -68,6 +68,10 @@ class MosaicConfig(NamedTuple):
         starts in the last `narrow_block` keys of a block visits just those, from buffers
         of their own, instead of a whole masked block (CCA with sinks off the group grid);
         0: off.
+    persistent: launch one CTA per SM, each walking every SM-th (query head, row block,
+        batch row) in launch order, instead of one CTA each: its ring runs on from one row
+        block into the next (the next block's first keys and its Q load during the last
+        block's epilogue) and O gets tiles of its own, stored while the next block runs.
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -77,6 +81,7 @@ class MosaicConfig(NamedTuple):
     schedule_barrier: bool = True
     heavy_first: bool = True
     narrow_block: int = 16
+    persistent: bool = False
     softmax_head_dim: int = 0
 
     @property
@@ -112,7 +117,7 @@ def check_config(cfg: MosaicConfig) -> MosaicConfig:
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
     _check_narrow(cfg)
-    for name in ("schedule_barrier", "heavy_first"):
+    for name in ("schedule_barrier", "heavy_first", "persistent"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
     if isinstance(cfg.softmax_head_dim, bool) or not isinstance(cfg.softmax_head_dim, int) \
@@ -122,13 +127,16 @@ def check_config(cfg: MosaicConfig) -> MosaicConfig:
 
 
 def shared_memory_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory the forward allocates: Q/O tiles, the K and V rings and narrow-head
-    buffers, per-row bounds and log-sum-exps, barriers (8 bytes each)."""
+    """Shared memory the forward allocates: Q/O tiles (persistent: O tiles of their own),
+    the K and V rings and narrow-head buffers, per-row bounds and log-sum-exps, barriers (8
+    bytes each)."""
     wgs = cfg.compute_wgs
-    tiles = (wgs * cfg.block_q + 2 * cfg.stages * cfg.block_kv
+    own_rows = (2 if cfg.persistent else 1) * wgs * cfg.block_q
+    tiles = (own_rows + 2 * cfg.stages * cfg.block_kv
              + 2 * cfg.narrow_block) * head_dim * itemsize
     rows = wgs * cfg.block_q * (3 + 1) * 4
-    barriers = (2 * wgs + 4 * cfg.stages + 1 + (2 if cfg.narrow_block else 0)) * 8
+    head_barriers = (2 + cfg.persistent) if cfg.narrow_block else 0
+    barriers = (2 * wgs + 4 * cfg.stages + 1 + head_barriers) * 8
     return tiles + rows + barriers
 
 
@@ -139,8 +147,10 @@ def check_shared_memory(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> 
         raise ValueError(
             f"the Mosaic GPU forward needs {need / 1024:.0f} KiB of shared memory at "
             f"head_dim={head_dim} with block_q={cfg.block_q}, block_kv={cfg.block_kv}, "
-            f"stages={cfg.stages}, compute_wgs={cfg.compute_wgs}; sm_90 has "
-            f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block_kv.")
+            f"stages={cfg.stages}, compute_wgs={cfg.compute_wgs}, persistent={cfg.persistent}; "
+            f"sm_90 has "
+            f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block_kv"
+            f"{', or pass persistent=False' if cfg.persistent else ''}.")
 
 
 def mosaic_config(*, head_dim: int = 128, **fields) -> MosaicConfig:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,19 @@ _MAX_INIT = -1e30
 # 2 * 232 + 40 warps' worth fits the 64K registers of an SM).
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
+# Persistent CTAs under the GPU interpreter (which has no SM count): a few, so that each
+# walks several works.
+_INTERPRETED_CTAS = 4
+
+
+def gpu_core_count() -> int:
+    """SMs of this process's first GPU (the CTAs of a persistent launch)."""
+    device = jax.devices()[0]
+    count = int(getattr(device, "core_count", 0) or 0)
+    if device.platform != "gpu" or count <= 0:
+        raise ValueError("a persistent Mosaic GPU forward needs a GPU's SM count: run it on "
+                         "a GPU, or pass ctas= (or persistent=False).")
+    return count
 
 
 def _layouts(interpreted: bool):
@@ -64,48 +78,99 @@ def _layouts(interpreted: bool):
             functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, slot_row_ref,
-            out_ref, lse_ref,
-            qo_smem, k_smem, v_smem, rows_smem, lse_smem,
-            q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *head_scratch,
-            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool, row_offset: int,
-            splits: int, first_tile: int):
-    bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
-    narrow = cfg.narrow_block
-    # Rows of q/k/v/out: the kernel's frame (its bounds, tables and masks) starts at row_offset.
-    at_row = (lambda r: r + row_offset) if row_offset else (lambda r: r)
-    dtype = q_ref.dtype
-    batch = lax.axis_index("batch")
-    head = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
-    tile = lax.axis_index("q_tiles")
-    split = lax.axis_index("splits") if splits > 1 else 0
-    if splits > 1:   # this CTA's share of the walk and its own partial output
-        out_ref, lse_ref = out_ref.at[split], lse_ref.at[split]
-    if cfg.heavy_first:     # the last row blocks (the longest walks) first
-        tile = cta_ref.shape[1] - 1 - tile
-    else:                   # row blocks [first_tile, ...) only
-        tile = tile + first_tile
-    use_sched = wgs == 2 and cfg.schedule_barrier
-    as_tile, as_rows = _layouts(interpreted)
+class _Work(NamedTuple):
+    """One (query head, row block, batch row, key split) of the walk: where it is and the
+    steps it takes (module docstring)."""
+    batch: jax.Array
+    head: jax.Array
+    tile: jax.Array
+    split: jax.Array
+    raw_first: jax.Array    # step s is raw block raw_first + s0 + s while below n_raw,
+    core_first: jax.Array   # else core block core_first + s0 + s - n_raw
+    n_raw: jax.Array
+    s0: jax.Array           # the split's first step of the row block's walk
+    n_steps: jax.Array      # the split's steps (the whole walk unsplit)
+    n_head: jax.Array       # 1 where a narrow head comes first in the keys (taken last)
 
-    # The CTA's walk: raw blocks [raw_first, raw_last), then core blocks [core_first,
-    # core_last); step s is raw block raw_first + s or core block core_first + s - n_raw.
+
+def _work(cta_ref, batch, head, tile, split, splits: int, narrow: int) -> _Work:
+    """The walk of row block `tile` (after the launch-order mapping) of `batch`, `head`: its
+    steps from the CTA table, and the share of key split `split` of `splits`."""
     raw_first = cta_ref[batch, tile, RAW_FIRST]
     core_first = cta_ref[batch, tile, CORE_FIRST]
     n_raw = cta_ref[batch, tile, RAW_LAST] - raw_first
     n_all = n_raw + cta_ref[batch, tile, CORE_LAST] - core_first
     # With key splits, the CTA walks steps [s0, s1) of the n_all (possibly none: it then
     # writes a zero output and a log2-sum-exp of about -1e30, which the merge weighs zero).
-    # Step indices below are the CTA's own: step s of the walk is step s0 + s overall.
     per = lax.div(n_all + splits - 1, jnp.int32(splits))
     s0 = jnp.minimum(split * per, n_all)
     n_steps = jnp.minimum(s0 + per, n_all) - s0
-    raw_done = jnp.minimum(s0, n_raw)            # raw steps before this CTA's share
-    # The narrow head (0 or 1 step, not in the ring): keys [head_start, head_start + narrow).
-    n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else 0
-    head_start = raw_first * bk - narrow if narrow else None
-    kh_smem, vh_smem, head_bar = head_scratch if narrow else (None, None, None)
+    n_head = cta_ref[batch, tile, RAW_HEAD] if narrow else jnp.int32(0)
+    return _Work(batch, head, tile, split, raw_first, core_first, n_raw, s0, n_steps, n_head)
+
+
+def _launch_order(cfg: MosaicConfig, index, hq: int, tiles: int, batch: int, first_tile: int):
+    """(batch row, query head, row block, split) of the `index`-th CTA in launch order:
+    heads fastest, then row blocks (the heaviest first with `heavy_first`), batch rows,
+    splits; the row blocks `[first_tile, ...)` only."""
+    head = lax.rem(index, jnp.int32(hq))
+    rest = lax.div(index, jnp.int32(hq))
+    tile = lax.rem(rest, jnp.int32(tiles))
+    rest = lax.div(rest, jnp.int32(tiles))
+    tile = tiles + first_tile - 1 - tile if cfg.heavy_first else tile + first_tile
+    return lax.rem(rest, jnp.int32(batch)), head, tile, lax.div(rest, jnp.int32(batch))
+
+
+def _persistent_works(cta, ctas: int, works: int):
+    """(count, work(i)) of persistent CTA `cta` of `ctas`: works go round in waves of
+    `ctas`, the CTA order reversed every other wave (a snake: the heavier end of a wave
+    alternates, so no CTA takes the heavy end of every wave)."""
+    waves, rest = divmod(works, ctas)
+    last_wave_takes = (cta < rest) if waves % 2 == 0 else (cta >= ctas - rest)
+    count = waves + jnp.where(last_wave_takes, 1, 0).astype(jnp.int32)
+
+    def work(i):
+        lane = jnp.where(lax.rem(i, 2) == 0, cta, ctas - 1 - cta)
+        return i * ctas + lane
+    return count, work
+
+
+def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, slot_row_ref,
+            out_ref, lse_ref,
+            qo_smem, k_smem, v_smem, rows_smem, lse_smem,
+            q_bar, rows_bar, k_ready, v_ready, k_free, v_free, sched_bar, *extra_scratch,
+            cfg: MosaicConfig, groups: int, scale: float, interpreted: bool, row_offset: int,
+            splits: int, first_tile: int, ctas: int):
+    bq, bk, stages, wgs = cfg.block_q, cfg.block_kv, cfg.stages, cfg.compute_wgs
+    narrow = cfg.narrow_block
+    # Rows of q/k/v/out: the kernel's frame (its bounds, tables and masks) starts at row_offset.
+    at_row = (lambda r: r + row_offset) if row_offset else (lambda r: r)
+    dtype = q_ref.dtype
+    wg = lax.axis_index("wg")
+    hq, batch_rows = q_ref.shape[2], q_ref.shape[0]
+    tiles = cta_ref.shape[1] - first_tile
+    if cfg.persistent:
+        o_smem, *extra_scratch = extra_scratch
+        count, work_index = _persistent_works(lax.axis_index("ctas"), ctas,
+                                              hq * tiles * batch_rows * splits)
+
+        def work_at(i):
+            return _work(cta_ref, *_launch_order(cfg, work_index(i), hq, tiles, batch_rows,
+                                                 first_tile), splits, narrow)
+    else:
+        o_smem, count = qo_smem, 1
+        split = lax.axis_index("splits") if splits > 1 else jnp.int32(0)
+        tile = lax.axis_index("q_tiles")
+        tile = tiles + first_tile - 1 - tile if cfg.heavy_first else tile + first_tile
+        only = _work(cta_ref, lax.axis_index("batch"), lax.axis_index("heads"), tile, split,
+                     splits, narrow)
+
+        def work_at(i):
+            return only
+    kh_smem, vh_smem, head_bar, *head_free = extra_scratch if narrow else (None,) * 3
+    head_free = head_free[0] if head_free else None
+    use_sched = wgs == 2 and cfg.schedule_barrier
+    as_tile, as_rows = _layouts(interpreted)
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched_bar)
@@ -115,177 +180,260 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     def _consumer():
         if wgs == 2:
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-        r0 = tile * cfg.cta_rows + wg * bq
         qo = qo_smem.at[wg]
         rows = rows_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(at_row(r0), bq), head], qo, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(bounds_ref.at[batch, :, pl.ds(r0, bq)], rows, rows_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
-        plgpu.barrier_wait(rows_bar.at[wg])
-        # A read followed by a layout cast: the cast is the read's layout (what plgpu.load
-        # does, in a form the GPU interpreter also runs).
-        raw_lo, core_lo, core_hi = (as_rows(rows.at[i][...]) for i in range(3))
-        c = scale * _LOG2E
 
-        raw_visible, core_visible = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, bk),
-                                                       as_tile)
+        def load_rows(w: _Work):
+            """Start the copies of the warpgroup's query rows and their bounds."""
+            r0 = w.tile * cfg.cta_rows + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[w.batch, pl.ds(at_row(r0), bq), w.head], qo,
+                                    q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(bounds_ref.at[w.batch, :, pl.ds(r0, bq)], rows,
+                                    rows_bar.at[wg])
 
-        def attend(carry, k_tile, v_tile, visible, release_keys, await_values, during_values,
-                   release_values):
-            """One step of the softmax over the keys and values in shared-memory tiles
-            `[width, D]`; `visible()` the `[bq, width]` mask (built after the scores' product,
-            where it always was: fewer registers live across the wgmma), or None."""
-            acc, m_i, l_i = carry
+        def consume(i, base):
+            """Work i of this CTA, its ring steps counted from `base`; returns the next base."""
+            w = work_at(i)
+            r0 = w.tile * cfg.cta_rows + wg * bq
+            n_steps, n_raw, s0 = w.n_steps, w.n_raw, w.s0
+            raw_done = jnp.minimum(s0, n_raw)            # raw steps before this split's share
+            if not cfg.persistent:
+                load_rows(w)
+            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(rows_bar.at[wg])
+            # A read followed by a layout cast: the cast is the read's layout (what
+            # plgpu.load does, in a form the GPU interpreter also runs).
+            raw_lo, core_lo, core_hi = (as_rows(rows.at[j][...]) for j in range(3))
+            c = scale * _LOG2E
 
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_tile.transpose((1, 0)))
+            raw_visible, core_visible = pipeline.row_masks(raw_lo, core_lo, core_hi, r0,
+                                                           (bq, bk), as_tile)
+
+            def attend(carry, k_tile, v_tile, visible, release_keys, await_values,
+                       during_values, release_values):
+                """One step of the softmax over the keys and values in shared-memory tiles
+                `[width, D]`; `visible()` the `[bq, width]` mask (built after the scores'
+                product, where it always was: fewer registers live across the wgmma), or
+                None."""
+                acc, m_i, l_i = carry
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, qo, k_tile.transpose((1, 0)))
+                    if use_sched:
+                        schedule_barrier()
+                    return acc_ref[...]
+                if interpreted:   # no transposed wgmma operands there: a plain product
+                    sc = lax.dot_general(qo[...], k_tile[...], (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+                    if use_sched:
+                        schedule_barrier()
+                else:
+                    sc = pl.run_scoped(scores, plgpu.ACC((bq, k_tile.shape[0]), jnp.float32))
+                release_keys()
+                if visible is not None:
+                    sc = jnp.where(visible(), sc, -jnp.inf)
+                m_new = jnp.maximum(m_i, sc.max(axis=1) * c)    # c > 0: max(s)c = max(sc)
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
                 if use_sched:
-                    schedule_barrier()
-                return acc_ref[...]
-            if interpreted:   # no transposed wgmma operands there: a plain product
-                sc = lax.dot_general(qo[...], k_tile[...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-                if use_sched:
-                    schedule_barrier()
-            else:
-                sc = pl.run_scoped(scores, plgpu.ACC((bq, k_tile.shape[0]), jnp.float32))
-            release_keys()
-            if visible is not None:
-                sc = jnp.where(visible(), sc, -jnp.inf)
-            m_new = jnp.maximum(m_i, sc.max(axis=1) * c)    # c > 0: max(s) * c = max(s * c)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
+                    plgpu.barrier_arrive(sched_bar)
+                    await_values()
+                    plgpu.barrier_wait(sched_bar)
+                else:
+                    await_values()
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+                    during_values()     # while this product runs
+                if interpreted:   # no run_state there: a plain product, added
+                    acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+                    during_values()
+                else:             # the wgmma accumulates onto acc in place
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                release_values()
+                return acc, m_new, l_i
+
+            def ring_slot(s):
+                """The ring slot of this work's step s (the ring runs on across works)."""
+                return lax.rem(base + s, jnp.int32(stages)) if cfg.persistent \
+                    else lax.rem(s, jnp.int32(stages))
+
+            def step(s, block, carry, visible):
+                """One pipeline step: the step's ring slot holds the block's keys and
+                values."""
+                slot = ring_slot(s)
+
+                def wait_next_keys():
+                    nxt = s + 1
+
+                    @pl.when(nxt < n_steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[ring_slot(nxt)])
+                return attend(carry, k_smem.at[slot], v_smem.at[slot],
+                              None if visible is None else lambda: visible(block),
+                              lambda: plgpu.barrier_arrive(k_free.at[slot]),
+                              lambda: plgpu.barrier_wait(v_ready.at[slot]), wait_next_keys,
+                              lambda: plgpu.barrier_arrive(v_free.at[slot]))
+
+            def head_step(_, carry):
+                """The narrow head: its own buffers, masked; released (persistent) for the
+                next work's head."""
+                head_visible, _ = pipeline.row_masks(raw_lo, core_lo, core_hi, r0,
+                                                     (bq, narrow), as_tile)
+                head_start = w.raw_first * bk - narrow
+                plgpu.barrier_wait(head_bar.at[0])
+                release = (lambda: plgpu.barrier_arrive(head_free)) if cfg.persistent \
+                    else (lambda: None)
+                return attend(carry, kh_smem, vh_smem,
+                              lambda: head_visible(head_start // narrow),
+                              lambda: None, lambda: plgpu.barrier_wait(head_bar.at[1]),
+                              lambda: None, release)
+
+            def walk(first, full_first, full_last, last, offset, visible, carry):
+                """Steps of blocks [first, last): masked by `visible` outside
+                [full_first, full_last)."""
+                def masked_step(s, block, carry, masked):
+                    return step(s, block, carry, visible if masked else None)
+                return pipeline.walk(first, full_first, full_last, last, offset,
+                                     masked_step, carry)
+
+            own = w.tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
+            carry = (as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)),
+                     as_rows(jnp.full((bq,), _MAX_INIT, jnp.float32)),
+                     as_rows(jnp.zeros((bq,), jnp.float32)))
+
+            @pl.when(n_steps > 0)     # unsplit, n_steps >= 1: every row sees its own key
+            def _():
+                plgpu.barrier_wait(k_ready.at[ring_slot(0)])
             if use_sched:
-                plgpu.barrier_arrive(sched_bar)
-                await_values()
-                plgpu.barrier_wait(sched_bar)
-            else:
-                await_values()
-
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_tile)
-                during_values()     # while this product runs
-            if interpreted:   # no run_state there: a plain product, added
-                acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
-                during_values()
-            else:             # the wgmma accumulates onto acc in place
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
-            release_values()
-            return acc, m_new, l_i
-
-        def step(s, block, carry, visible):
-            """One pipeline step: ring slot s % stages holds the block's keys and values."""
-            slot = lax.rem(s, jnp.int32(stages))
-
-            def wait_next_keys():
-                nxt = s + 1
-
-                @pl.when(nxt < n_steps)
+                pl.when(wg == 1)(schedule_barrier)
+            # this split's raw blocks, then its core blocks (step s0 + s: raw block
+            # raw_first + s0 + s while below n_raw, else core block core_first + s0 + s -
+            # n_raw)
+            raw_end = jnp.minimum(s0 + n_steps, n_raw)
+            carry = walk(w.raw_first + raw_done, wg_ref[w.batch, own, RAW_FULL_FIRST],
+                         wg_ref[w.batch, own, RAW_FULL_LAST], w.raw_first + raw_end, 0,
+                         raw_visible, carry)
+            core_start = jnp.maximum(s0, n_raw) - n_raw
+            carry = walk(w.core_first + core_start, wg_ref[w.batch, own, CORE_FULL_FIRST],
+                         wg_ref[w.batch, own, CORE_FULL_LAST],
+                         w.core_first + jnp.maximum(s0 + n_steps - n_raw, core_start),
+                         raw_end - raw_done, core_visible, carry)
+            if narrow:   # last, as in dq: its copies, issued first, have landed by now
+                carry = lax.fori_loop(0, w.n_head, head_step, carry)
+            if use_sched:
+                pl.when(wg == 0)(schedule_barrier)
+            if cfg.persistent:   # Q is free: the next work's rows load during this epilogue
+                @pl.when(i + 1 < count)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
-            return attend(carry, k_smem.at[slot], v_smem.at[slot],
-                          None if visible is None else lambda: visible(block),
-                          lambda: plgpu.barrier_arrive(k_free.at[slot]),
-                          lambda: plgpu.barrier_wait(v_ready.at[slot]), wait_next_keys,
-                          lambda: plgpu.barrier_arrive(v_free.at[slot]))
+                    load_rows(work_at(i + 1))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last O is stored
+            acc, m_i, l_i = carry
+            l_i = jnp.maximum(l_i, 1e-30)
+            o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            lse_smem.at[wg][...] = m_i + jnp.log(l_i) * _LOG2E
+            plgpu.commit_smem()
+            out, lse = (out_ref.at[w.split], lse_ref.at[w.split]) if splits > 1 \
+                else (out_ref, lse_ref)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[w.batch, pl.ds(at_row(r0), bq),
+                                                          w.head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse.at[w.batch, w.head, pl.ds(r0, bq)])
+            if not cfg.persistent:
+                plgpu.wait_smem_to_gmem(0)
+            return base + n_steps
 
-        def head_step(_, carry):
-            """The narrow head: its own buffers, masked, nothing to release."""
-            head_visible, _ = pipeline.row_masks(raw_lo, core_lo, core_hi, r0, (bq, narrow),
-                                                 as_tile)
-            plgpu.barrier_wait(head_bar.at[0])
-            return attend(carry, kh_smem, vh_smem, lambda: head_visible(head_start // narrow),
-                          lambda: None, lambda: plgpu.barrier_wait(head_bar.at[1]),
-                          lambda: None, lambda: None)
-
-        def walk(first, full_first, full_last, last, offset, visible, carry):
-            """Steps of blocks [first, last): masked by `visible` outside
-            [full_first, full_last)."""
-            def masked_step(s, block, carry, masked):
-                return step(s, block, carry, visible if masked else None)
-            return pipeline.walk(first, full_first, full_last, last, offset, masked_step,
-                                 carry)
-
-        own = tile * wgs + wg    # this warpgroup's row in the per-warpgroup table
-        carry = (as_tile(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)),
-                 as_rows(jnp.full((bq,), _MAX_INIT, jnp.float32)),
-                 as_rows(jnp.zeros((bq,), jnp.float32)))
-        @pl.when(n_steps > 0)     # unsplit, n_steps >= 1: every row sees its own key
-        def _():
-            plgpu.barrier_wait(k_ready.at[0])
-        if use_sched:
-            pl.when(wg == 1)(schedule_barrier)
-        # this CTA's raw blocks, then its core blocks (step s0 + s: raw block raw_first +
-        # s0 + s while below n_raw, else core block core_first + s0 + s - n_raw)
-        raw_end = jnp.minimum(s0 + n_steps, n_raw)
-        carry = walk(raw_first + raw_done, wg_ref[batch, own, RAW_FULL_FIRST],
-                     wg_ref[batch, own, RAW_FULL_LAST], raw_first + raw_end, 0, raw_visible,
-                     carry)
-        core_start = jnp.maximum(s0, n_raw) - n_raw
-        carry = walk(core_first + core_start, wg_ref[batch, own, CORE_FULL_FIRST],
-                     wg_ref[batch, own, CORE_FULL_LAST],
-                     core_first + jnp.maximum(s0 + n_steps - n_raw, core_start),
-                     raw_end - raw_done,
-                     core_visible, carry)
-        if narrow:   # last, as in dq: its copies, issued first, have landed by now
-            carry = lax.fori_loop(0, n_head, head_step, carry)
-        if use_sched:
-            pl.when(wg == 0)(schedule_barrier)
-        acc, m_i, l_i = carry
-        l_i = jnp.maximum(l_i, 1e-30)
-        qo[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-        lse_smem.at[wg][...] = m_i + jnp.log(l_i) * _LOG2E
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo, out_ref.at[batch, pl.ds(at_row(r0), bq), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(r0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        if cfg.persistent:
+            @pl.when(count > 0)
+            def _():
+                load_rows(work_at(0))
+            lax.fori_loop(0, count, consume, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+        else:
+            consume(0, jnp.int32(0))
 
     @pl.when(wg == wgs)
     def _producer():
         if wgs == 2:
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-        kv_head = head if groups == 1 else lax.div(head, jnp.int32(groups))
-        slot_row = slot_row_ref[batch]    # the row of ck/cv holding this batch row's slots
 
-        def copy(s, slot, raw_ref, core_ref, smem, ready):
-            s = s0 + s       # the walk's step
-            is_raw = s < n_raw
+        def produce(i, carry):
+            """The copies of work i's steps into the ring, whose steps are counted across
+            works from `base`; returns the next (base, narrow heads copied)."""
+            base, heads = carry
+            w = work_at(i)
+            kv_head = w.head if groups == 1 else lax.div(w.head, jnp.int32(groups))
+            slot_row = slot_row_ref[w.batch]    # the ck/cv row of this batch row's slots
 
-            @pl.when(is_raw)
-            def _():
-                rows = pl.ds(at_row((raw_first + s) * bk), bk)
-                plgpu.copy_gmem_to_smem(raw_ref.at[batch, rows, kv_head], smem.at[slot],
-                                        ready.at[slot])
+            def copy(s, slot, raw_ref, core_ref, smem, ready):
+                s = w.s0 + s       # the walk's step
+                is_raw = s < w.n_raw
 
-            @pl.when(jnp.logical_not(is_raw))
-            def _():
-                rows = pl.ds((core_first + s - n_raw) * bk, bk)
-                plgpu.copy_gmem_to_smem(core_ref.at[slot_row, rows, head], smem.at[slot],
-                                        ready.at[slot])
+                @pl.when(is_raw)
+                def _():
+                    rows = pl.ds(at_row((w.raw_first + s) * bk), bk)
+                    plgpu.copy_gmem_to_smem(raw_ref.at[w.batch, rows, kv_head], smem.at[slot],
+                                            ready.at[slot])
 
-        if narrow:
-            @pl.when(n_head > 0)
-            def _():
-                rows = pl.ds(at_row(head_start), narrow)
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], kh_smem, head_bar.at[0])
-                plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], vh_smem, head_bar.at[1])
+                @pl.when(jnp.logical_not(is_raw))
+                def _():
+                    rows = pl.ds((w.core_first + s - w.n_raw) * bk, bk)
+                    plgpu.copy_gmem_to_smem(core_ref.at[slot_row, rows, w.head],
+                                            smem.at[slot], ready.at[slot])
 
-        for s in range(stages):     # fill the ring
-            @pl.when(s < n_steps)
-            def _():
-                copy(s, s, k_ref, ck_ref, k_smem, k_ready)
-                copy(s, s, v_ref, cv_ref, v_smem, v_ready)
+            def copy_head():
+                @pl.when(w.n_head > 0)
+                def _():
+                    if cfg.persistent:   # the last work's head was taken
+                        pl.when(heads > 0)(lambda: plgpu.barrier_wait(head_free))
+                    rows = pl.ds(at_row(w.raw_first * bk - narrow), narrow)
+                    plgpu.copy_gmem_to_smem(k_ref.at[w.batch, rows, kv_head], kh_smem,
+                                            head_bar.at[0])
+                    plgpu.copy_gmem_to_smem(v_ref.at[w.batch, rows, kv_head], vh_smem,
+                                            head_bar.at[1])
 
-        def refill(s, _):
-            slot = lax.rem(s, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            copy(s, slot, k_ref, ck_ref, k_smem, k_ready)
-            plgpu.barrier_wait(v_free.at[slot])
-            copy(s, slot, v_ref, cv_ref, v_smem, v_ready)
-        lax.fori_loop(jnp.int32(stages), jnp.maximum(n_steps, stages), refill, None)
+            if not cfg.persistent:
+                if narrow:
+                    copy_head()
+                for s in range(stages):     # fill the ring
+                    @pl.when(s < w.n_steps)
+                    def _():
+                        copy(s, s, k_ref, ck_ref, k_smem, k_ready)
+                        copy(s, s, v_ref, cv_ref, v_smem, v_ready)
+
+                def refill(s, _):
+                    slot = lax.rem(s, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
+                    copy(s, slot, k_ref, ck_ref, k_smem, k_ready)
+                    plgpu.barrier_wait(v_free.at[slot])
+                    copy(s, slot, v_ref, cv_ref, v_smem, v_ready)
+                lax.fori_loop(jnp.int32(stages), jnp.maximum(w.n_steps, stages), refill, None)
+                return base + w.n_steps, heads
+
+            def ring_step(s, _):
+                """Step s into the ring once the consumers released the slot's last step
+                (a slot's first use waits for nothing)."""
+                slot = lax.rem(base + s, jnp.int32(stages))
+                used = base + s >= stages
+                pl.when(used)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                copy(s, slot, k_ref, ck_ref, k_smem, k_ready)
+                pl.when(used)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                copy(s, slot, v_ref, cv_ref, v_smem, v_ready)
+            # The narrow head (taken last) after the first ring steps: its wait for the last
+            # work's head does not hold up this work's first keys.
+            first = jnp.minimum(w.n_steps, stages)
+            lax.fori_loop(jnp.int32(0), first, ring_step, None)
+            if narrow:
+                copy_head()
+            lax.fori_loop(first, w.n_steps, ring_step, None)
+            return base + w.n_steps, heads + w.n_head
+
+        if cfg.persistent:
+            total, heads = lax.fori_loop(0, count, produce, (jnp.int32(0), jnp.int32(0)))
+        else:
+            total, heads = produce(0, (jnp.int32(0), jnp.int32(0)))
 
         def drain(s, _):
             """Observe the consumers' release of the last steps too: every phase of the
@@ -293,7 +441,9 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
             slot = lax.rem(s, jnp.int32(stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
-        lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+        if narrow and cfg.persistent:
+            pl.when(heads > 0)(lambda: plgpu.barrier_wait(head_free))
 
 
 # A jit of its own: a program that calls the kernel once a layer with alike arguments (an
@@ -301,10 +451,10 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
 # 23.9 s of host time and 27 MB of module against 3.1 s and 3.0 MB on a 2-core CPU,
 # benchmarks/results/research/lowering_probe_cpu.md).
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "row_offset", "key_splits",
-                                             "first_tile"))
+                                             "first_tile", "ctas"))
 def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
             interpret=None, row_offset: int = 0, slot_rows=None, key_splits: int = 1,
-            first_tile: int = 0):
+            first_tile: int = 0, ctas: int = 0):
     """Padded inputs in (module docstring), padded out `[B, Lp, Hq, D]` and log2-sum-exp
     `[B, Hq, Lp]` out. `interpret`: None (compile for the GPU) or the GPU interpreter's
     `InterpretGPUParams` (runs on the CPU, simulating warpgroups, barriers and TMA; for
@@ -322,7 +472,9 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     prefill chunk of a few hundred tokens against 128K of context); out and log2-sum-exp
     then come per split, `[S, ...]`, each normalized over its own keys (`merge_key_splits`
     combines them). `first_tile`: only row blocks `[first_tile, Lp / cta_rows)` run; the
-    rows of the blocks before are left unwritten (a prefill chunk's ring rows in front)."""
+    rows of the blocks before are left unwritten (a prefill chunk's ring rows in front).
+    `ctas` (`cfg.persistent` only): the CTAs launched; 0: the GPU's SMs (4 under the
+    interpreter)."""
     b, _, hq, d = q.shape
     lp = bounds.shape[-1]
     if not 0 <= first_tile < lp // cfg.cta_rows:
@@ -353,6 +505,8 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),   # V slot released
         plgpu.Barrier(num_arrivals=wgs),                   # consumers' wgmma schedule
     )
+    if cfg.persistent:
+        scratch += (tiles(wgs, cfg.block_q),)              # O, stored during the next work
     if cfg.narrow_block:
         # The head's P V product contracts over its `narrow_block` keys, and wgmma takes a
         # contraction of one swizzle width at least: the V head tile uses the narrowest
@@ -363,16 +517,26 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
                     plgpu.SMEM((cfg.narrow_block, d), q.dtype,
                                transforms=narrow_swizzle),                         # V head
                     plgpu.Barrier(num_barriers=2))                 # K, V head landed
+        if cfg.persistent:
+            scratch += (plgpu.Barrier(num_arrivals=wgs),)          # the head was taken
+    works = hq * (lp // cfg.cta_rows - first_tile) * b * key_splits
+    if cfg.persistent:
+        ctas = min(works, ctas or (_INTERPRETED_CTAS if interpret is not None
+                                   else gpu_core_count()))
+        grid, grid_names = (ctas,), ("ctas",)
+    else:
+        grid = (hq, lp // cfg.cta_rows - first_tile, b, *split_axis)
+        grid_names = ("heads", "q_tiles", "batch", *(("splits",) if split_axis else ()))
     kernel = functools.partial(_kernel, cfg=cfg, groups=hq // k.shape[2], scale=scale,
                                interpreted=interpret is not None, row_offset=row_offset,
-                               splits=key_splits, first_tile=first_tile)
+                               splits=key_splits, first_tile=first_tile, ctas=ctas)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((*split_axis, *q.shape), q.dtype),
                   jax.ShapeDtypeStruct((*split_axis, b, hq, lp), jnp.float32)),
         scratch_types=scratch,
-        grid=(hq, lp // cfg.cta_rows - first_tile, b, *split_axis),
-        grid_names=("heads", "q_tiles", "batch", *(("splits",) if split_axis else ())),
+        grid=grid,
+        grid_names=grid_names,
         kernel_name="cca_forward",   # profiles tell the four kernels apart by name
         num_threads=wgs + 1,
         thread_name="wg",
