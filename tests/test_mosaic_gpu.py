@@ -236,6 +236,29 @@ def test_gpu_every_tiling_matches_float64(tiling):
     assert err < ROW_TOL["bfloat16"]["out"], err
 
 
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["packed", "sinks_narrow_head", "in_cache_splits"])
+def test_gpu_persistent_forward_equals_the_grid_launch(case):
+    """One CTA per SM walking several works (512 works, or the in-cache chunk's few with
+    its keys split), the ring running on across them: the very output of one CTA per work,
+    bit for bit, on packed CCA, CCA with 4 sinks (narrow heads) and the in-cache entry."""
+    if case == "in_cache_splits":
+        q, k, v, ck_cache, cv_cache, bounds = in_cache_inputs(
+            layers=3, rows=4, m=8128, b=2, length=300, d=128, seed=5)
+        args = (q, k, v, ck_cache, cv_cache, jnp.int32(1), jnp.array([2, 0]), *bounds)
+        got, want = (jax.jit(functools.partial(
+            blocked_attention_in_cache_mosaic_gpu, first_row=128, key_splits=2,
+            persistent=persistent))(*args) for persistent in (True, False))
+    else:
+        pattern = blocks.CCA(16, 256, 4 if case == "sinks_narrow_head" else 0)
+        q, k, v, ct = random_inputs(2, 4000, 8, 2, 128, jnp.bfloat16, seed=13)
+        seg = jnp.asarray(random_segments(2, 4000, 3)) if case == "packed" else None
+        got, want = (_run(pattern, "mosaic", (("persistent", persistent),))(q, k, v, ct, seg)
+                     for persistent in (True, False))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 GPU_BACKWARD_OPTIONS = dict(GPU_OPTIONS, cca_sinks=blocks.CCA(16, 100, 4))
 
 

@@ -271,3 +271,31 @@ def test_interpreted_gradients_through_the_entry_match_float64():   # measured 1
         err = row_max_error(g, np.asarray(w))
         print(f"d{name}: row error vs float64 {err:.2e}")
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.slow   # 15-40 s each: the interpreter, twice
+@pytest.mark.parametrize("case", ["packed", "sinks_narrow_head", "in_cache_splits"])
+def test_interpreted_persistent_forward_equals_the_grid_launch(case):
+    """Four CTAs walking 9-12 works each in turn (the ring's slots and barrier phases
+    running on from one work into the next, Q loading during the last work's epilogue):
+    the very output of one CTA per work, bit for bit, in the GPU interpreter, which checks
+    the barrier protocol. Packed CCA, CCA with 4 sinks (narrow heads, their own release
+    barrier), and the in-cache entry with its keys split over 2 CTAs."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    if case == "in_cache_splits":
+        q, k, v, ck_cache, cv_cache, bounds = in_cache_inputs(layers=2, rows=3, m=104)
+        args = (q, k, v, ck_cache, cv_cache, jnp.int32(1), jnp.array([2, 0]), *bounds)
+        got, want = (blocked_attention_in_cache_mosaic_gpu(
+            *args, key_splits=2, interpret=True, compute_wgs=1, block_kv=64,
+            persistent=persistent) for persistent in (True, False))
+    else:
+        sinks = case == "sinks_narrow_head"
+        pattern = blocks.CCA(16, 64, 4) if sinks else blocks.CCA(4, 37)
+        q, k, v, _ = random_inputs(1, 300, 3, 1, 64, jnp.bfloat16, seed=3)
+        seg = None if sinks else jnp.asarray(random_segments(1, 300, 2))
+        ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
+        got, want = (blocked_attention_mosaic_gpu(
+            q, k, v, ck, cv, *bounds, interpret=True, compute_wgs=2, block_kv=64,
+            narrow_block=16 if sinks else 0, persistent=persistent)
+            for persistent in (True, False))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

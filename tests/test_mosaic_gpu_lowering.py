@@ -415,3 +415,52 @@ def test_kernels_carry_their_names_into_profiles():
     text = lowered_text("bfloat16", 128, 8, 2, 1000, 70, grad=True)
     names = set(re.findall(r"(cca_\w+)_mosaic_gpu", text))
     assert names == {"cca_forward", "cca_dq", "cca_dk_dv", "cca_dck_dcv"}, names
+
+
+def test_persistent_works_cover_every_work_once_in_balanced_shares():
+    """A persistent launch's CTAs take every (head, row block, batch row, split) exactly
+    once, in waves of `ctas` with the order reversed every other wave; counts differ by at
+    most one; the launch order maps works onto row blocks heaviest first, from first_tile."""
+    from pallas_kernels.mosaic_gpu.forward import _launch_order, _persistent_works
+    for works, ctas in ((12, 4), (9, 4), (10, 4), (3, 5), (132 * 7 + 5, 132)):
+        taken = []
+        for cta in range(ctas):
+            count, work = _persistent_works(jnp.int32(cta), ctas, works)
+            mine = [int(work(jnp.int32(i))) for i in range(int(count))]
+            assert all(0 <= w < works for w in mine)
+            taken += mine
+            if mine:
+                assert mine[0] == cta
+            if len(mine) > 1:
+                assert mine[1] == 2 * ctas - 1 - cta      # the second wave runs backwards
+        assert sorted(taken) == list(range(works)), (works, ctas)
+    cfg = mosaic_config()
+    order = [tuple(int(x) for x in _launch_order(cfg, jnp.int32(i), 2, 3, 2, 1))
+             for i in range(12)]
+    # (batch, head, tile, split): heads fastest, then tiles 3, 2, 1 (heaviest first)
+    assert order[:4] == [(0, 0, 3, 0), (0, 1, 3, 0), (0, 0, 2, 0), (0, 1, 2, 0)]
+    assert order[6] == (1, 0, 3, 0) and order[-1] == (1, 1, 1, 0)
+    plain = mosaic_config(heavy_first=False)
+    assert [int(_launch_order(plain, jnp.int32(i), 2, 3, 1, 1)[2]) for i in (0, 2, 4)] \
+        == [1, 2, 3]
+
+
+def test_persistent_config_and_its_shared_memory():
+    """persistent adds O tiles of its own (and a head-release barrier): it fits at the
+    default tiling up to D = 128 and is refused, naming the fix, at D = 256."""
+    cfg = mosaic_config(persistent=True)
+    extra = shared_memory_bytes(cfg, 128) - shared_memory_bytes(MosaicConfig(), 128)
+    assert extra == 2 * 64 * 128 * 2 + 8
+    assert shared_memory_bytes(cfg, 128) <= SMEM_LIMIT_BYTES
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        mosaic_config(persistent=1)
+    q, k, v, ck, cv, *bounds = _small_inputs(d=256)
+    with pytest.raises(ValueError, match="or pass persistent=False"):
+        blocked_attention_mosaic_gpu(q, k, v, ck, cv, *bounds, persistent=True)
+
+
+def test_persistent_forward_lowers_for_cuda():
+    """The persistent launch lowers for cuda from a CPU host (132 CTAs assumed there): one
+    Mosaic GPU kernel."""
+    text = lowered_text("bfloat16", 128, 8, 2, 1000, 45, persistent=True)
+    assert text.count("mosaic_gpu_v2(") == 1

@@ -35,10 +35,10 @@ from benchmarks.measure import (claim_output, round_robin, row_error, stamp,  # 
                                 table_heading, write_results)
 from cca_jax import blocks  # noqa: E402
 from cca_jax.blocks import ring_size  # noqa: E402
-from cca_jax.attention.pallas_mosaic_gpu import (gpu_core_count,  # noqa: E402
-                                                 prefill_key_splits)
+from cca_jax.attention.pallas_mosaic_gpu import prefill_key_splits  # noqa: E402
 from cca_jax.kv_cache import slot_capacity  # noqa: E402
 from cca_jax.prefill import chunk_blocking  # noqa: E402
+from pallas_kernels.mosaic_gpu.config import gpu_core_count  # noqa: E402
 
 LAYER, ROW, LAYERS, ROWS = 1, 3, 2, 8
 

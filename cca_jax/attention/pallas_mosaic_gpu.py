@@ -59,16 +59,6 @@ def gpu_capability() -> float | None:
 MAX_PREFILL_KEY_SPLITS = 4
 
 
-def gpu_core_count(default: int = 132) -> int:
-    """Streaming multiprocessors of this process's first GPU (`default`, an H100's or H200's,
-    where jax does not say or there is no GPU)."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return default
-    return int(getattr(devices[0], "core_count", 0) or default) if devices else default
-
-
 def prefill_key_splits(live_rows: int, cta_rows: int, heads: int, batch: int,
                        cores: int) -> int:
     """How many CTAs walk the keys of each block of a chunk's rows: enough that the chunk's
@@ -226,6 +216,7 @@ class MosaicGpuBackend(Backend):
     def _blocked_in_cache(self, q, k, v, ck_cache, cv_cache, layer, cache_rows, raw_lo,
                           core_lo, core_hi, blocking, window, first_row):
         from pallas_kernels.mosaic_gpu import blocked_attention_in_cache_mosaic_gpu, mosaic_config
+        from pallas_kernels.mosaic_gpu.config import gpu_core_count
         cta_rows = mosaic_config(head_dim=q.shape[-1]).cta_rows
         splits = prefill_key_splits(q.shape[1] - first_row, cta_rows, q.shape[2], q.shape[0],
                                     gpu_core_count())

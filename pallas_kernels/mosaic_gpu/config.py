@@ -12,8 +12,13 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
+
 # Hopper's shared memory per CTA (sm_90: 227 KiB usable of 228).
 SMEM_LIMIT_BYTES = 227 * 1024
+# SMs assumed where jax names none (no GPU attached: lowering for one from a CPU host):
+# an H100's or H200's.
+DEFAULT_GPU_CORES = 132
 BLOCK_Q_CHOICES = (64, 128)
 BLOCK_KV_CHOICES = (64, 128, 256)
 HEAD_DIMS = (64, 128, 256)
@@ -31,6 +36,16 @@ WIDE_BACKWARD_DEFAULTS = {"compute_wgs": 1, "stages": 2, "split_keys": True}
 # tile to their shared memory: with 3 ring stages that is 228 KiB at D = 128, so 2.
 FUSED_DQ_DEFAULTS = {"stages": 2}
 FUSED_DQ_HEAD_DIMS = (64, 128)
+
+
+def gpu_core_count(default: int = DEFAULT_GPU_CORES) -> int:
+    """Streaming multiprocessors of this process's first GPU (`default` where jax does not
+    say or there is no GPU)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return default
+    return int(getattr(devices[0], "core_count", 0) or default) if devices else default
 
 
 def swizzle_bytes(row_bytes: int):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.mosaic_gpu.config import SMEM_LIMIT_BYTES, gpu_core_count
 
 # The cache is read in place at the model's D, so each D needs its own shared-memory tiles:
 # rows of 128 bytes or a multiple (64, 128, 256 in 16-bit) take the 128-byte swizzle, 96 the
@@ -21,11 +22,9 @@ WIDE_HEAD_DIM, WIDE_BLOCK = 256, 64
 # the default was 1.05x (benchmarks/results/research/mosaic_gpu_decode_sweep_h200.md).
 GROUPED_BLOCK, GROUPED_STAGES, GROUPED_MAX = 64, 4, 4
 SLOT_LAYOUTS = ("bchd", "bhcd")   # slots [.., B, C, Hq, D] (KVCache) or [.., B, Hq, C, D]
-SMEM_LIMIT_BYTES = 227 * 1024     # sm_90's shared memory per CTA
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ROWS = 64                        # wgmma's M: the query heads of a KV head, zero-padded
 _COLS = 16                        # keys_along_rows: wgmma's N, the query heads zero-padded
-_H200_SMS = 132                   # SMs assumed where no GPU is attached (cross-lowering)
 
 
 class MosaicDecodeConfig(NamedTuple):
@@ -139,12 +138,7 @@ def check_shapes(cfg: MosaicDecodeConfig, groups: int, head_dim: int, itemsize: 
 def gpu_slots(cfg: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
     """Programs the GPU runs at once: SMs (this process's first GPU, else an H200's 132)
     times the CTAs of this shared-memory size an SM holds (228 KiB, 1 KiB reserved each)."""
-    try:
-        sms = int(getattr(jax.devices()[0], "core_count", 0) or 0)
-    except RuntimeError:
-        sms = 0
-    if jax.default_backend() != "gpu" or sms <= 0:
-        sms = _H200_SMS
+    sms = gpu_core_count()
     per_sm = max(1, (228 * 1024) // (shared_memory_bytes(cfg, head_dim, itemsize) + 1024))
     return sms * per_sm
 

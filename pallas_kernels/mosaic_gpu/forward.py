@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import MosaicConfig, softmax_scale
+from pallas_kernels.mosaic_gpu.config import MosaicConfig, gpu_core_count, softmax_scale
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
                                               RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
@@ -56,16 +56,6 @@ _PRODUCER_REGISTERS = 40
 # Persistent CTAs under the GPU interpreter (which has no SM count): a few, so that each
 # walks several works.
 _INTERPRETED_CTAS = 4
-
-
-def gpu_core_count() -> int:
-    """SMs of this process's first GPU (the CTAs of a persistent launch)."""
-    device = jax.devices()[0]
-    count = int(getattr(device, "core_count", 0) or 0)
-    if device.platform != "gpu" or count <= 0:
-        raise ValueError("a persistent Mosaic GPU forward needs a GPU's SM count: run it on "
-                         "a GPU, or pass ctas= (or persistent=False).")
-    return count
 
 
 def _layouts(interpreted: bool):
@@ -473,8 +463,8 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
     then come per split, `[S, ...]`, each normalized over its own keys (`merge_key_splits`
     combines them). `first_tile`: only row blocks `[first_tile, Lp / cta_rows)` run; the
     rows of the blocks before are left unwritten (a prefill chunk's ring rows in front).
-    `ctas` (`cfg.persistent` only): the CTAs launched; 0: the GPU's SMs (4 under the
-    interpreter)."""
+    `ctas` (`cfg.persistent` only): the CTAs launched; 0: the GPU's SMs (132 where no GPU
+    is attached, 4 under the interpreter)."""
     b, _, hq, d = q.shape
     lp = bounds.shape[-1]
     if not 0 <= first_tile < lp // cfg.cta_rows:
