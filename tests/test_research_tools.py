@@ -248,16 +248,17 @@ def test_call_overhead_loop_runs_every_call(tmp_path):
 
 
 def test_the_device_chains_name_only_tilings_the_kernels_take():
-    """The tilings a chain step sweeps (`--mosaic-tilings` of the decode probe,
-    `--backward-tilings` of the backward's) are each a valid config: a misspelt field would
-    stop the probe on the GPU machine, after minutes of device time."""
+    """The tilings a chain step sweeps (`--mosaic-tilings` of the decode probe and of the
+    forward's, `--backward-tilings` of the backward's) are each a valid config: a misspelt
+    field would stop the probe on the GPU machine, after minutes of device time."""
     import pathlib
     import re
     import shlex
 
-    from pallas_kernels.mosaic_gpu.config import mosaic_backward_config
+    from pallas_kernels.mosaic_gpu.config import mosaic_backward_config, mosaic_config
     from pallas_kernels.mosaic_gpu.decode_config import decode_config
     makers = {"--mosaic-tilings": decode_config, "--backward-tilings": mosaic_backward_config}
+    forward_probe = "mosaic_gpu_cca.py"   # its --mosaic-tilings are the forward's
     checked = 0
     for chain in sorted((pathlib.Path(__file__).parents[1] / "benchmarks/device_chain")
                         .glob("steps*.txt")):
@@ -267,6 +268,9 @@ def test_the_device_chains_name_only_tilings_the_kernels_take():
             for command in re.split(r";|&&|\|", line.split(None, 2)[2]):
                 words = shlex.split(command)
                 for flag, make in makers.items():
+                    if flag == "--mosaic-tilings" and any(w.endswith(forward_probe)
+                                                          for w in words):
+                        make = mosaic_config
                     if flag in words:
                         for tiling in json.loads(words[words.index(flag) + 1]):
                             make(**tiling)
