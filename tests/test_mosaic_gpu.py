@@ -259,6 +259,24 @@ def test_gpu_persistent_forward_equals_the_grid_launch(case):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_gpu_persistent_dq_equals_the_grid_launch(sinks):
+    """The dq kernel with one CTA per SM walking 512 row blocks in turn (`persistent`):
+    q/k/v gradients bit for bit those of one CTA per row block, on packed CCA and on CCA
+    with 4 sinks (narrow heads)."""
+    pattern = blocks.CCA(16, 256, sinks)
+    q, k, v, ct = random_inputs(2, 4000, 8, 2, 128, jnp.bfloat16, seed=17)
+    seg = None if sinks else jnp.asarray(random_segments(2, 4000, 5))
+    got, want = (_entry_grads(pattern, q, k, v, ct, seg,
+                              backward_tiling=dict(persistent=persistent))
+                 for persistent in (True, False))
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                      err_msg=name)
+
+
 GPU_BACKWARD_OPTIONS = dict(GPU_OPTIONS, cca_sinks=blocks.CCA(16, 100, 4))
 
 

@@ -299,3 +299,32 @@ def test_interpreted_persistent_forward_equals_the_grid_launch(case):
             narrow_block=16 if sinks else 0, persistent=persistent)
             for persistent in (True, False))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.slow   # about 50 s each: two interpreted backwards
+@pytest.mark.parametrize("case", ["packed", "sinks_narrow_head"])
+def test_interpreted_persistent_dq_equals_the_grid_launch(case):
+    """The dq kernel with four CTAs walking 9 row blocks in turn (`persistent`: the ring
+    and the narrow head's release barrier running on across them, the next block's Q, dO,
+    bounds and stats loading during the last one's epilogue): every gradient is the very
+    one of one CTA per row block, bit for bit, in the GPU interpreter."""
+    from cca_jax.attention.pooling import slots_and_bounds
+    from pallas_kernels.mosaic_gpu.backward import mosaic_backward
+    from pallas_kernels.mosaic_gpu.interpret import interpret_params
+    sinks = case == "sinks_narrow_head"
+    pattern = blocks.CCA(16, 64, 4) if sinks else blocks.CCA(4, 37)
+    q, k, v, ct = random_inputs(1, 300, 3, 1, 64, jnp.bfloat16, seed=4)
+    seg = None if sinks else jnp.asarray(random_segments(1, 300, 2))
+    ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
+    if sinks:
+        assert blocks.narrow_heads(pattern, 300, 128, 64, 16) == 2
+    dout = ct.astype(q.dtype)
+    out, lse, _ = core_reference64(q, k, v, ck, cv, *bounds, dout)
+    got, want = (mosaic_backward(q, k, v, ck, cv, *bounds, jnp.asarray(out, q.dtype),
+                                 jnp.asarray(lse, jnp.float32), dout,
+                                 mosaic_backward_config(head_dim=64, persistent=persistent),
+                                 interpret=interpret_params(True))
+                 for persistent in (True, False))
+    for name, g, w in zip(("dq", "dk", "dv", "dck", "dcv"), got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                      err_msg=name)

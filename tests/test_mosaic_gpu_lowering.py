@@ -421,11 +421,12 @@ def test_persistent_works_cover_every_work_once_in_balanced_shares():
     """A persistent launch's CTAs take every (head, row block, batch row, split) exactly
     once, in waves of `ctas` with the order reversed every other wave; counts differ by at
     most one; the launch order maps works onto row blocks heaviest first, from first_tile."""
-    from pallas_kernels.mosaic_gpu.forward import _launch_order, _persistent_works
+    from pallas_kernels.mosaic_gpu.forward import _launch_order
+    from pallas_kernels.mosaic_gpu.pipeline import persistent_works
     for works, ctas in ((12, 4), (9, 4), (10, 4), (3, 5), (132 * 7 + 5, 132)):
         taken = []
         for cta in range(ctas):
-            count, work = _persistent_works(jnp.int32(cta), ctas, works)
+            count, work = persistent_works(jnp.int32(cta), ctas, works)
             mine = [int(work(jnp.int32(i))) for i in range(int(count))]
             assert all(0 <= w < works for w in mine)
             taken += mine
@@ -464,3 +465,24 @@ def test_persistent_forward_lowers_for_cuda():
     Mosaic GPU kernel."""
     text = lowered_text("bfloat16", 128, 8, 2, 1000, 45, persistent=True)
     assert text.count("mosaic_gpu_v2(") == 1
+
+
+def test_persistent_dq_config_and_its_shared_memory():
+    """The dq kernel's persistent launch adds dQ tiles of its own: it fits at the default
+    backward tiling up to D = 128 and is refused, naming the fix, at D = 256; it lowers for
+    cuda from a CPU host."""
+    cfg = mosaic_backward_config(persistent=True)
+    dq_bytes = backward_shared_memory_bytes(cfg, 128)["dq"]
+    assert dq_bytes - backward_shared_memory_bytes(MosaicBackwardConfig(), 128)["dq"] \
+        == 2 * 64 * 128 * 2 + 8
+    assert dq_bytes <= SMEM_LIMIT_BYTES
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        mosaic_backward_config(persistent="yes")
+    q, k, v, ck, cv, *bounds = _small_inputs(d=256)
+    with pytest.raises(ValueError, match="dq kernel .* or pass persistent=False"):
+        jax.grad(lambda q: jnp.sum(blocked_attention_mosaic_gpu(
+            q, k, v, ck, cv, *bounds, backward_tiling=dict(persistent=True)).astype(
+                jnp.float32)))(q)
+    text = lowered_text("bfloat16", 128, 8, 2, 1000, 45, grad=True,
+                        backward_tiling=dict(persistent=True))
+    assert text.count("mosaic_gpu_v2(") == 4

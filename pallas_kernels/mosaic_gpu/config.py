@@ -19,6 +19,9 @@ SMEM_LIMIT_BYTES = 227 * 1024
 # SMs assumed where jax names none (no GPU attached: lowering for one from a CPU host):
 # an H100's or H200's.
 DEFAULT_GPU_CORES = 132
+# Persistent CTAs under the GPU interpreter (which has no SM count): a few, so that each
+# walks several works.
+INTERPRETED_CTAS = 4
 BLOCK_Q_CHOICES = (64, 128)
 BLOCK_KV_CHOICES = (64, 128, 256)
 HEAD_DIMS = (64, 128, 256)
@@ -214,6 +217,8 @@ class MosaicBackwardConfig(NamedTuple):
         on the H200, dq 30.03 ms against 30.79, the whole backward 72.37 against 74.92, in one
         round-robin run (`research/mosaic_backward_parts_h200.md`; the kernels it does not
         touch moved by up to 3 % in that run).
+    persistent: dq kernel: one CTA per SM walking its share of the row blocks, the ring
+        running on across them (the forward's `persistent`), dQ stored from tiles of its own.
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -225,6 +230,7 @@ class MosaicBackwardConfig(NamedTuple):
     narrow_block: int = 16
     paired_scores: bool = True
     fused_dq: bool = False
+    persistent: bool = False
     softmax_head_dim: int = 0
 
     @property
@@ -252,7 +258,7 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
     _choice("compute_wgs", cfg.compute_wgs, (1, 2))
     if isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int) or not 2 <= cfg.stages <= 8:
         raise ValueError(f"stages must be an int from 2 to 8, got {cfg.stages!r}.")
-    for name in ("split_keys", "paired_scores", "fused_dq"):
+    for name in ("split_keys", "paired_scores", "fused_dq", "persistent"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
     if cfg.fused_dq and (cfg.split_keys or cfg.key_block_q != 64):
@@ -272,9 +278,10 @@ def backward_shared_memory_bytes(cfg: MosaicBackwardConfig, head_dim: int,
     bounds and log2-sum-exp/delta, barriers (8 bytes each)."""
     wgs, stages = cfg.compute_wgs, cfg.stages
     barriers = (4 * wgs + 4 * stages) * 8
-    dq = (2 * wgs * cfg.block_q + 2 * stages * cfg.block_kv + 3 * cfg.narrow_block) \
+    own_rows = (3 if cfg.persistent else 2) * wgs * cfg.block_q     # Q, dO (and dQ)
+    dq = (own_rows + 2 * stages * cfg.block_kv + 3 * cfg.narrow_block) \
         * head_dim * itemsize + wgs * cfg.block_q * (3 + 2) * 4 + barriers \
-        + (3 * 8 if cfg.narrow_block else 0)
+        + ((3 + cfg.persistent) * 8 if cfg.narrow_block else 0)
     keys = (2 * wgs * KEY_ROWS + 2 * stages * cfg.key_block_q) * head_dim * itemsize \
         + stages * cfg.key_block_q * (3 + 2) * 4 + barriers
     if not cfg.fused_dq:
@@ -303,7 +310,8 @@ def check_backward_shared_memory(cfg: MosaicBackwardConfig, head_dim: int,
             raise ValueError(
                 f"the Mosaic GPU backward's {kernel} kernel needs {need / 1024:.0f} KiB of "
                 f"shared memory at head_dim={head_dim} with {cfg}; sm_90 has "
-                f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or {block}.")
+                f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or {block}"
+                f"{', or pass persistent=False' if cfg.persistent and kernel == 'dq' else ''}.")
 
 
 def mosaic_backward_config(*, head_dim: int = 128, **fields) -> MosaicBackwardConfig:

@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import MosaicConfig, gpu_core_count, softmax_scale
+from pallas_kernels.mosaic_gpu.config import (INTERPRETED_CTAS, MosaicConfig, gpu_core_count,
+                                              softmax_scale)
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
                                               RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
@@ -53,11 +54,6 @@ _MAX_INIT = -1e30
 # 2 * 232 + 40 warps' worth fits the 64K registers of an SM).
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
-# Persistent CTAs under the GPU interpreter (which has no SM count): a few, so that each
-# walks several works.
-_INTERPRETED_CTAS = 4
-
-
 def _layouts(interpreted: bool):
     """(tile, row) layout casts: a WGMMA tile's and its per-row vectors' (m, l, bounds).
     The GPU interpreter runs arrays without layouts (it has no rule for the cast): there,
@@ -103,26 +99,9 @@ def _launch_order(cfg: MosaicConfig, index, hq: int, tiles: int, batch: int, fir
     """(batch row, query head, row block, split) of the `index`-th CTA in launch order:
     heads fastest, then row blocks (the heaviest first with `heavy_first`), batch rows,
     splits; the row blocks `[first_tile, ...)` only."""
-    head = lax.rem(index, jnp.int32(hq))
-    rest = lax.div(index, jnp.int32(hq))
-    tile = lax.rem(rest, jnp.int32(tiles))
-    rest = lax.div(rest, jnp.int32(tiles))
+    head, tile, row, split = pipeline.unravel(index, (hq, tiles, batch))
     tile = tiles + first_tile - 1 - tile if cfg.heavy_first else tile + first_tile
-    return lax.rem(rest, jnp.int32(batch)), head, tile, lax.div(rest, jnp.int32(batch))
-
-
-def _persistent_works(cta, ctas: int, works: int):
-    """(count, work(i)) of persistent CTA `cta` of `ctas`: works go round in waves of
-    `ctas`, the CTA order reversed every other wave (a snake: the heavier end of a wave
-    alternates, so no CTA takes the heavy end of every wave)."""
-    waves, rest = divmod(works, ctas)
-    last_wave_takes = (cta < rest) if waves % 2 == 0 else (cta >= ctas - rest)
-    count = waves + jnp.where(last_wave_takes, 1, 0).astype(jnp.int32)
-
-    def work(i):
-        lane = jnp.where(lax.rem(i, 2) == 0, cta, ctas - 1 - cta)
-        return i * ctas + lane
-    return count, work
+    return row, head, tile, split
 
 
 def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, slot_row_ref,
@@ -141,8 +120,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     tiles = cta_ref.shape[1] - first_tile
     if cfg.persistent:
         o_smem, *extra_scratch = extra_scratch
-        count, work_index = _persistent_works(lax.axis_index("ctas"), ctas,
-                                              hq * tiles * batch_rows * splits)
+        count, work_index = pipeline.persistent_works(lax.axis_index("ctas"), ctas,
+                                                      hq * tiles * batch_rows * splits)
 
         def work_at(i):
             return _work(cta_ref, *_launch_order(cfg, work_index(i), hq, tiles, batch_rows,
@@ -511,7 +490,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
             scratch += (plgpu.Barrier(num_arrivals=wgs),)          # the head was taken
     works = hq * (lp // cfg.cta_rows - first_tile) * b * key_splits
     if cfg.persistent:
-        ctas = min(works, ctas or (_INTERPRETED_CTAS if interpret is not None
+        ctas = min(works, ctas or (INTERPRETED_CTAS if interpret is not None
                                    else gpu_core_count()))
         grid, grid_names = (ctas,), ("ctas",)
     else:

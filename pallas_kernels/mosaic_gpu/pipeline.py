@@ -173,6 +173,57 @@ def produce(n_steps, stages: int, copy, free) -> None:
     lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
 
 
+def produce_from(base, n_steps, stages: int, copy, free, after_first=None) -> None:
+    """A persistent CTA's producer for one work: `copy(step, slot)` issues the work's step
+    into ring slot `(base + step) % stages`, the ring's steps counted across works from
+    `base`; a slot's first use waits for nothing, later ones for the consumers' release of
+    its last step on `free`. `after_first()` runs after the first `stages` steps' copies
+    (a narrow head's, which may wait for the last work's head to be taken)."""
+    def ring_step(s, _):
+        slot = lax.rem(base + s, jnp.int32(stages))
+        pl.when(base + s >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+        copy(s, slot)
+    first = jnp.minimum(n_steps, stages)
+    lax.fori_loop(jnp.int32(0), first, ring_step, None)
+    if after_first is not None:
+        after_first()
+    lax.fori_loop(first, n_steps, ring_step, None)
+
+
+def drain(total, stages: int, *frees) -> None:
+    """Await the consumers' release of the ring's last `stages` steps (of `total`) on each of
+    `frees`: every phase of the release barriers is then observed (the GPU interpreter checks
+    that)."""
+    def body(s, _):
+        for free in frees:
+            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+    lax.fori_loop(jnp.maximum(total - stages, 0), total, body, None)
+
+
+def unravel(index, dims: tuple):
+    """(i_0, ..., i_n, rest) of a flat `index` over `dims` (the first fastest): a CTA's
+    coordinates in launch order, `rest` its index over what follows `dims`."""
+    out = []
+    for dim in dims:
+        out.append(lax.rem(index, jnp.int32(dim)))
+        index = lax.div(index, jnp.int32(dim))
+    return (*out, index)
+
+
+def persistent_works(cta, ctas: int, works: int):
+    """(count, work(i)) of persistent CTA `cta` of `ctas`: works go round in waves of
+    `ctas`, the CTA order reversed every other wave (a snake: the heavier end of a wave
+    alternates, so no CTA takes the heavy end of every wave)."""
+    waves, rest = divmod(works, ctas)
+    last_wave_takes = (cta < rest) if waves % 2 == 0 else (cta >= ctas - rest)
+    count = waves + jnp.where(last_wave_takes, 1, 0).astype(jnp.int32)
+
+    def work(i):
+        lane = jnp.where(lax.rem(i, 2) == 0, cta, ctas - 1 - cta)
+        return i * ctas + lane
+    return count, work
+
+
 def walk(first, full_first, full_last, last, offset, step, carry):
     """`step(s, block, carry, masked)` over blocks `[first, last)` (ring step `s = block -
     first + offset`); masked (a Python bool) outside `[full_first, full_last)`, which is
