@@ -261,14 +261,16 @@ def test_gpu_persistent_forward_equals_the_grid_launch(case):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("sinks", [0, 4])
-def test_gpu_persistent_dq_equals_the_grid_launch(sinks):
-    """The dq kernel with one CTA per SM walking 512 row blocks in turn (`persistent`):
-    q/k/v gradients bit for bit those of one CTA per row block, on packed CCA and on CCA
-    with 4 sinks (narrow heads)."""
-    pattern = blocks.CCA(16, 256, sinks)
-    q, k, v, ct = random_inputs(2, 4000, 8, 2, 128, jnp.bfloat16, seed=17)
-    seg = None if sinks else jnp.asarray(random_segments(2, 4000, 5))
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_gpu_persistent_backward_equals_the_grid_launch(sinks):
+    """The backward kernels with one CTA per SM each (`persistent`), walking 512 (dq), 256
+    (dk/dv) and 256 (dck/dcv) works in turn: q/k/v gradients bit for bit those of one CTA
+    per work, on packed CCA and on CCA with 3 sinks (narrow heads in dq)."""
+    pattern = blocks.CCA(4, 256, sinks)
+    q, k, v, ct = random_inputs(2, 8192, 8, 2, 128, jnp.bfloat16, seed=17)
+    seg = None if sinks else jnp.asarray(random_segments(2, 8192, 5))
+    if sinks:
+        assert blocks.narrow_heads(pattern, 8192, 128, 64, 16) > 0
     got, want = (_entry_grads(pattern, q, k, v, ct, seg,
                               backward_tiling=dict(persistent=persistent))
                  for persistent in (True, False))

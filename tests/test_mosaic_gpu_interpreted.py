@@ -303,17 +303,19 @@ def test_interpreted_persistent_forward_equals_the_grid_launch(case):
 
 @pytest.mark.slow   # about 50 s each: two interpreted backwards
 @pytest.mark.parametrize("case", ["packed", "sinks_narrow_head"])
-def test_interpreted_persistent_dq_equals_the_grid_launch(case):
-    """The dq kernel with four CTAs walking 9 row blocks in turn (`persistent`: the ring
-    and the narrow head's release barrier running on across them, the next block's Q, dO,
-    bounds and stats loading during the last one's epilogue): every gradient is the very
-    one of one CTA per row block, bit for bit, in the GPU interpreter."""
+def test_interpreted_persistent_backward_equals_the_grid_launch(case):
+    """The backward kernels with four CTAs each (`persistent`): dq's walking 12 (head, row
+    block) works in turn, the ring and the narrow head's release barrier running on across
+    them, the next block's Q, dO, bounds and stats loading during the last one's epilogue;
+    dk/dv's 6 (KV head, key tile) works, the next tile's K and V loading once this one's
+    gradients are stored; dck/dcv's 4 (query head, slot tile), one a CTA here. Every gradient is the
+    very one of one CTA per work, bit for bit, in the GPU interpreter."""
     from cca_jax.attention.pooling import slots_and_bounds
     from pallas_kernels.mosaic_gpu.backward import mosaic_backward
     from pallas_kernels.mosaic_gpu.interpret import interpret_params
     sinks = case == "sinks_narrow_head"
     pattern = blocks.CCA(16, 64, 4) if sinks else blocks.CCA(4, 37)
-    q, k, v, ct = random_inputs(1, 300, 3, 1, 64, jnp.bfloat16, seed=4)
+    q, k, v, ct = random_inputs(1, 300, 4, 2, 64, jnp.bfloat16, seed=4)
     seg = None if sinks else jnp.asarray(random_segments(1, 300, 2))
     ck, cv, *bounds = slots_and_bounds(q, k, v, pattern, segment_ids=seg)
     if sinks:

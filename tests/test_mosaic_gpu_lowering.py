@@ -467,17 +467,22 @@ def test_persistent_forward_lowers_for_cuda():
     assert text.count("mosaic_gpu_v2(") == 1
 
 
-def test_persistent_dq_config_and_its_shared_memory():
-    """The dq kernel's persistent launch adds dQ tiles of its own: it fits at the default
-    backward tiling up to D = 128 and is refused, naming the fix, at D = 256; it lowers for
-    cuda from a CPU host."""
+def test_persistent_backward_config_and_its_shared_memory():
+    """The backward's persistent launch adds dQ tiles of its own to the dq kernel (the key
+    side stores through its K and V tiles, as before): it fits at the default backward
+    tiling up to D = 128 and is refused, naming the fix, at D = 256, and with fused_dq; the
+    three kernels lower for cuda from a CPU host."""
     cfg = mosaic_backward_config(persistent=True)
     dq_bytes = backward_shared_memory_bytes(cfg, 128)["dq"]
+    assert backward_shared_memory_bytes(cfg, 128)["keys"] == backward_shared_memory_bytes(
+        MosaicBackwardConfig(), 128)["keys"]
     assert dq_bytes - backward_shared_memory_bytes(MosaicBackwardConfig(), 128)["dq"] \
         == 2 * 64 * 128 * 2 + 8
     assert dq_bytes <= SMEM_LIMIT_BYTES
     with pytest.raises(ValueError, match="persistent must be a bool"):
         mosaic_backward_config(persistent="yes")
+    with pytest.raises(ValueError, match="persistent does not run the fused_dq kernels"):
+        mosaic_backward_config(persistent=True, fused_dq=True)
     q, k, v, ck, cv, *bounds = _small_inputs(d=256)
     with pytest.raises(ValueError, match="dq kernel .* or pass persistent=False"):
         jax.grad(lambda q: jnp.sum(blocked_attention_mosaic_gpu(

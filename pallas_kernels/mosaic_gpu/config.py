@@ -217,8 +217,10 @@ class MosaicBackwardConfig(NamedTuple):
         on the H200, dq 30.03 ms against 30.79, the whole backward 72.37 against 74.92, in one
         round-robin run (`research/mosaic_backward_parts_h200.md`; the kernels it does not
         touch moved by up to 3 % in that run).
-    persistent: dq kernel: one CTA per SM walking its share of the row blocks, the ring
-        running on across them (the forward's `persistent`), dQ stored from tiles of its own.
+    persistent: every kernel one CTA per SM walking its share of the row blocks (dq) or
+        key tiles (dk/dv, dck/dcv), the ring running on across them (the forward's
+        `persistent`); dq stores from tiles of its own, the key side through its K and V
+        tiles as before. Not with fused_dq.
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -261,6 +263,8 @@ def check_backward_config(cfg: MosaicBackwardConfig) -> MosaicBackwardConfig:
     for name in ("split_keys", "paired_scores", "fused_dq", "persistent"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(cfg, name)!r}.")
+    if cfg.fused_dq and cfg.persistent:
+        raise ValueError("persistent does not run the fused_dq kernels: pass one of them.")
     if cfg.fused_dq and (cfg.split_keys or cfg.key_block_q != 64):
         raise ValueError(f"fused_dq needs key_block_q=64 and split_keys=False (its dS^T and "
                          f"dQ tiles take the shared memory and registers), got {cfg}.")
@@ -311,7 +315,7 @@ def check_backward_shared_memory(cfg: MosaicBackwardConfig, head_dim: int,
                 f"the Mosaic GPU backward's {kernel} kernel needs {need / 1024:.0f} KiB of "
                 f"shared memory at head_dim={head_dim} with {cfg}; sm_90 has "
                 f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or {block}"
-                f"{', or pass persistent=False' if cfg.persistent and kernel == 'dq' else ''}.")
+                f"{', or pass persistent=False' if cfg.persistent else ''}.")
 
 
 def mosaic_backward_config(*, head_dim: int = 128, **fields) -> MosaicBackwardConfig:
