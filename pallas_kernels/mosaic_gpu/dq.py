@@ -185,14 +185,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
                 plgpu.wait_smem_to_gmem(0)
             return base + w.n_steps
 
-        if cfg.persistent:
-            @pl.when(count > 0)
-            def _():
-                load_rows(work_at(0))
-            lax.fori_loop(0, count, consume, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-        else:
-            consume(0, jnp.int32(0))
+        pipeline.consume_works(cfg.persistent, count, load_rows, work_at, consume)
 
     @pl.when(wg == wgs)
     def _producer():
@@ -205,16 +198,15 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
             w = work_at(i)
             kv_head = w.head if groups == 1 else lax.div(w.head, jnp.int32(groups))
 
+            def head_copies():
+                keys = pl.ds(at_row(w.raw_first * bk - narrow), narrow)
+                for j, (ref, smem) in enumerate(((k_ref, kh_smem), (k_ref, kh32_smem),
+                                                 (v_ref, vh_smem))):
+                    plgpu.copy_gmem_to_smem(ref.at[w.batch, keys, kv_head], smem,
+                                            head_bar.at[j])
+
             def copy_head():
-                @pl.when(w.n_head > 0)
-                def _():
-                    if cfg.persistent:   # the last work's head was taken
-                        pl.when(heads > 0)(lambda: plgpu.barrier_wait(head_free))
-                    keys = pl.ds(at_row(w.raw_first * bk - narrow), narrow)
-                    for j, (ref, smem) in enumerate(((k_ref, kh_smem), (k_ref, kh32_smem),
-                                                     (v_ref, vh_smem))):
-                        plgpu.copy_gmem_to_smem(ref.at[w.batch, keys, kv_head], smem,
-                                                head_bar.at[j])
+                pipeline.copy_narrow_head(w.n_head, heads, head_free, head_copies)
 
             def copy(s, slot):
                 @pl.when(s < w.n_raw)

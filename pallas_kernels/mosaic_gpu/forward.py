@@ -314,14 +314,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
                 plgpu.wait_smem_to_gmem(0)
             return base + n_steps
 
-        if cfg.persistent:
-            @pl.when(count > 0)
-            def _():
-                load_rows(work_at(0))
-            lax.fori_loop(0, count, consume, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-        else:
-            consume(0, jnp.int32(0))
+        pipeline.consume_works(cfg.persistent, count, load_rows, work_at, consume)
 
     @pl.when(wg == wgs)
     def _producer():
@@ -352,16 +345,15 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
                     plgpu.copy_gmem_to_smem(core_ref.at[slot_row, rows, w.head],
                                             smem.at[slot], ready.at[slot])
 
+            def head_copies():
+                rows = pl.ds(at_row(w.raw_first * bk - narrow), narrow)
+                plgpu.copy_gmem_to_smem(k_ref.at[w.batch, rows, kv_head], kh_smem,
+                                        head_bar.at[0])
+                plgpu.copy_gmem_to_smem(v_ref.at[w.batch, rows, kv_head], vh_smem,
+                                        head_bar.at[1])
+
             def copy_head():
-                @pl.when(w.n_head > 0)
-                def _():
-                    if cfg.persistent:   # the last work's head was taken
-                        pl.when(heads > 0)(lambda: plgpu.barrier_wait(head_free))
-                    rows = pl.ds(at_row(w.raw_first * bk - narrow), narrow)
-                    plgpu.copy_gmem_to_smem(k_ref.at[w.batch, rows, kv_head], kh_smem,
-                                            head_bar.at[0])
-                    plgpu.copy_gmem_to_smem(v_ref.at[w.batch, rows, kv_head], vh_smem,
-                                            head_bar.at[1])
+                pipeline.copy_narrow_head(w.n_head, heads, head_free, head_copies)
 
             if not cfg.persistent:
                 if narrow:

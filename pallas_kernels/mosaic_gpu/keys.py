@@ -238,14 +238,7 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
                 plgpu.wait_smem_to_gmem(0)
             return base + w.n_steps
 
-        if cfg.persistent:
-            @pl.when(count > 0)
-            def _():
-                load_keys(work_at(0))
-            lax.fori_loop(0, count, consume, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-        else:
-            consume(0, jnp.int32(0))
+        pipeline.consume_works(cfg.persistent, count, load_keys, work_at, consume)
 
     @pl.when(wg == wgs)
     def _producer():

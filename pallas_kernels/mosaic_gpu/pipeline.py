@@ -190,6 +190,17 @@ def produce_from(base, n_steps, stages: int, copy, free, after_first=None) -> No
     lax.fori_loop(first, n_steps, ring_step, None)
 
 
+def copy_narrow_head(n_head, heads, head_free, copies) -> None:
+    """`copies()` (a narrow head's TMA copies) where the work takes a head (`n_head` > 0),
+    after the last head copied (`heads` so far) was taken, on `head_free` (persistent CTAs;
+    None: one work a CTA, nothing to wait for)."""
+    @pl.when(n_head > 0)
+    def _():
+        if head_free is not None:
+            pl.when(heads > 0)(lambda: plgpu.barrier_wait(head_free))
+        copies()
+
+
 def drain(total, stages: int, *frees) -> None:
     """Await the consumers' release of the ring's last `stages` steps (of `total`) on each of
     `frees`: every phase of the release barriers is then observed (the GPU interpreter checks
@@ -222,6 +233,19 @@ def persistent_works(cta, ctas: int, works: int):
         lane = jnp.where(lax.rem(i, 2) == 0, cta, ctas - 1 - cta)
         return i * ctas + lane
     return count, work
+
+
+def consume_works(persistent: bool, count, load, work_at, consume) -> None:
+    """The consumers' loop over their CTA's works: `consume(i, base)` runs work i, its ring
+    steps counted from `base`, and returns the next base. Persistent: the first work's
+    operands are loaded here (`load(work)`; `consume` loads each next one early), and the
+    last stores awaited at the end; else the one work, which loads its own."""
+    if not persistent:
+        consume(0, jnp.int32(0))
+        return
+    pl.when(count > 0)(lambda: load(work_at(0)))
+    lax.fori_loop(0, count, consume, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
 
 
 def walk(first, full_first, full_last, last, offset, step, carry):
