@@ -90,6 +90,8 @@ class MosaicConfig(NamedTuple):
         batch row) in launch order, instead of one CTA each: its ring runs on from one row
         block into the next (the next block's first keys and its Q load during the last
         block's epilogue) and O gets tiles of its own, stored while the next block runs.
+        Off by default: the same bits, but slower on an H100 (128K: 20.34 ms against 18.91;
+        benchmarks/results/research/h100_2026-12-07f.md).
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
@@ -220,7 +222,8 @@ class MosaicBackwardConfig(NamedTuple):
     persistent: every kernel one CTA per SM walking its share of the row blocks (dq) or
         key tiles (dk/dv, dck/dcv), the ring running on across them (the forward's
         `persistent`); dq stores from tiles of its own, the key side through its K and V
-        tiles as before. Not with fused_dq.
+        tiles as before. Not with fused_dq. Off by default: the same bits, but slower on
+        an H100 (128K backward 73.00 ms against 68.45; research/h100_2026-12-07f.md).
     softmax_head_dim: set by zero-padding of the head dim (api): the real D of 1/sqrt(D).
     """
     block_q: int = 64
