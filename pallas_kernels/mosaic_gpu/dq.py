@@ -27,8 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import (INTERPRETED_CTAS, MosaicBackwardConfig,
-                                              gpu_core_count, softmax_scale)
+from pallas_kernels.mosaic_gpu.config import MosaicBackwardConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
                                               RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
@@ -288,8 +287,7 @@ def dq(q, k, v, ck, cv, do, stats, bounds, cta_visits, wg_visits, cfg: MosaicBac
             scratch += (plgpu.Barrier(num_arrivals=wgs),)            # the head was taken
     works = hq * (lp // (cfg.block_q * wgs)) * b
     if cfg.persistent:
-        ctas = min(works, ctas or (INTERPRETED_CTAS if interpret is not None
-                                   else gpu_core_count()))
+        ctas = pipeline.persistent_ctas(works, ctas, interpret is not None)
         grid, grid_names = (ctas,), ("ctas",)
     else:
         grid, grid_names = (hq, lp // (cfg.block_q * wgs), b), ("heads", "q_tiles", "batch")

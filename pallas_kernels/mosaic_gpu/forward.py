@@ -42,8 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import (INTERPRETED_CTAS, MosaicConfig, gpu_core_count,
-                                              softmax_scale)
+from pallas_kernels.mosaic_gpu.config import MosaicConfig, softmax_scale
 from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_FULL_LAST,
                                               CORE_LAST, RAW_FIRST, RAW_FULL_FIRST,
                                               RAW_FULL_LAST, RAW_HEAD, RAW_LAST)
@@ -482,8 +481,7 @@ def forward(q, k, v, ck, cv, bounds, cta_visits, wg_visits, cfg: MosaicConfig,
             scratch += (plgpu.Barrier(num_arrivals=wgs),)          # the head was taken
     works = hq * (lp // cfg.cta_rows - first_tile) * b * key_splits
     if cfg.persistent:
-        ctas = min(works, ctas or (INTERPRETED_CTAS if interpret is not None
-                                   else gpu_core_count()))
+        ctas = pipeline.persistent_ctas(works, ctas, interpret is not None)
         grid, grid_names = (ctas,), ("ctas",)
     else:
         grid = (hq, lp // cfg.cta_rows - first_tile, b, *split_axis)

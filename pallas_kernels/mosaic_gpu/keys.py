@@ -37,8 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import pipeline
-from pallas_kernels.mosaic_gpu.config import (INTERPRETED_CTAS, KEY_ROWS, MosaicBackwardConfig,
-                                              fused_dq_by_columns, gpu_core_count,
+from pallas_kernels.mosaic_gpu.config import (KEY_ROWS, MosaicBackwardConfig, fused_dq_by_columns,
                                               softmax_scale)
 from pallas_kernels.mosaic_gpu.tables import Q_FIRST, Q_FULL_FIRST, Q_FULL_LAST, Q_LAST
 
@@ -335,21 +334,19 @@ def key_grads(q, do, stats, bounds, keys, values, cta_visits, wg_visits, kind: s
                        transforms=pipeline.smem_transforms(width, 4)),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=1),          # consumers meet
         )
+    tiles_n = key_rows // cfg.key_cta_rows
+    grid, grid_names = (heads, tiles_n, b), ("heads", "key_tiles", "batch")
+    if cfg.persistent:
+        ctas = pipeline.persistent_ctas(heads * tiles_n * b, ctas, interpret is not None)
+        grid, grid_names = (ctas,), ("ctas",)
     kernel = functools.partial(_kernel, cfg=cfg, kind=kind, outputs=outputs,
                                groups=hq // heads if kind == "raw" else 1,
                                scale=softmax_scale(cfg, d),
                                interpreted=interpret is not None, row_offset=row_offset,
-                               fused=fused, by_columns=by_columns, ctas=0)
+                               fused=fused, by_columns=by_columns, ctas=ctas)
     like = {"dk": keys, "dv": values}
     out_type = tuple(jax.ShapeDtypeStruct(like[name].shape, like[name].dtype)
                      for name in outputs)
-    tiles_n = key_rows // cfg.key_cta_rows
-    grid, grid_names = (heads, tiles_n, b), ("heads", "key_tiles", "batch")
-    if cfg.persistent:
-        ctas = min(heads * tiles_n * b, ctas or (INTERPRETED_CTAS if interpret is not None
-                                                 else gpu_core_count()))
-        grid, grid_names = (ctas,), ("ctas",)
-        kernel = functools.partial(kernel, ctas=ctas)
     launch = dict(grid=grid, grid_names=grid_names,
                   kernel_name="cca_dk_dv" if kind == "raw" else "cca_dck_dcv",
                   num_threads=wgs + 1, thread_name="wg")

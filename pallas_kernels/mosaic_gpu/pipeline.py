@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu.config import swizzle_bytes
+from pallas_kernels.mosaic_gpu.config import INTERPRETED_CTAS, gpu_core_count, swizzle_bytes
 
 # FA3's register split when two consumers share an SM with the producer.
 CONSUMER_REGISTERS = 232
@@ -219,6 +219,13 @@ def unravel(index, dims: tuple):
         out.append(lax.rem(index, jnp.int32(dim)))
         index = lax.div(index, jnp.int32(dim))
     return (*out, index)
+
+
+def persistent_ctas(works: int, ctas: int, interpreted: bool) -> int:
+    """CTAs of a persistent launch of `works` works: `ctas`, or (0) the GPU's SMs (132 where
+    no GPU is attached; a few under the interpreter, so each walks several); never more
+    than the works."""
+    return min(works, ctas or (INTERPRETED_CTAS if interpreted else gpu_core_count()))
 
 
 def persistent_works(cta, ctas: int, works: int):
