@@ -168,8 +168,7 @@ def check_shared_memory(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> 
             f"the Mosaic GPU forward needs {need / 1024:.0f} KiB of shared memory at "
             f"head_dim={head_dim} with block_q={cfg.block_q}, block_kv={cfg.block_kv}, "
             f"stages={cfg.stages}, compute_wgs={cfg.compute_wgs}, persistent={cfg.persistent}; "
-            f"sm_90 has "
-            f"{SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block_kv"
+            f"sm_90 has {SMEM_LIMIT_BYTES // 1024} KiB: lower stages or block_kv"
             f"{', or pass persistent=False' if cfg.persistent else ''}.")
 
 

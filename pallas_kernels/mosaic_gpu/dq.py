@@ -138,8 +138,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
                 return pipeline.accumulate(dq, ds.astype(q_ref.dtype), k_rows, interpreted)
 
             def step(s, block, dq, masked, visible):
-                slot = lax.rem(base + s, jnp.int32(stages)) if cfg.persistent \
-                    else lax.rem(s, jnp.int32(stages))
+                slot = lax.rem(base + s, jnp.int32(stages))   # base 0: one work a CTA
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 dq = gradient(dq, k_smem.at[slot], v_smem.at[slot], k_smem.at[slot],

@@ -53,6 +53,8 @@ _MAX_INIT = -1e30
 # 2 * 232 + 40 warps' worth fits the 64K registers of an SM).
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
+
+
 def _layouts(interpreted: bool):
     """(tile, row) layout casts: a WGMMA tile's and its per-row vectors' (m, l, bounds).
     The GPU interpreter runs arrays without layouts (it has no rule for the cast): there,
@@ -94,13 +96,17 @@ def _work(cta_ref, batch, head, tile, split, splits: int, narrow: int) -> _Work:
     return _Work(batch, head, tile, split, raw_first, core_first, n_raw, s0, n_steps, n_head)
 
 
+def _row_block(cfg: MosaicConfig, tile, tiles: int, first_tile: int):
+    """The row block of the `tile`-th of `tiles` in launch order: the heaviest (last) first
+    with `heavy_first`; the row blocks `[first_tile, ...)` only."""
+    return tiles + first_tile - 1 - tile if cfg.heavy_first else tile + first_tile
+
+
 def _launch_order(cfg: MosaicConfig, index, hq: int, tiles: int, batch: int, first_tile: int):
     """(batch row, query head, row block, split) of the `index`-th CTA in launch order:
-    heads fastest, then row blocks (the heaviest first with `heavy_first`), batch rows,
-    splits; the row blocks `[first_tile, ...)` only."""
+    heads fastest, then row blocks (`_row_block`), batch rows, splits."""
     head, tile, row, split = pipeline.unravel(index, (hq, tiles, batch))
-    tile = tiles + first_tile - 1 - tile if cfg.heavy_first else tile + first_tile
-    return row, head, tile, split
+    return row, head, _row_block(cfg, tile, tiles, first_tile), split
 
 
 def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, slot_row_ref,
@@ -128,8 +134,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     else:
         o_smem, count = qo_smem, 1
         split = lax.axis_index("splits") if splits > 1 else jnp.int32(0)
-        tile = lax.axis_index("q_tiles")
-        tile = tiles + first_tile - 1 - tile if cfg.heavy_first else tile + first_tile
+        tile = _row_block(cfg, lax.axis_index("q_tiles"), tiles, first_tile)
         only = _work(cta_ref, lax.axis_index("batch"), lax.axis_index("heads"), tile, split,
                      splits, narrow)
 
@@ -225,9 +230,9 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
                 return acc, m_new, l_i
 
             def ring_slot(s):
-                """The ring slot of this work's step s (the ring runs on across works)."""
-                return lax.rem(base + s, jnp.int32(stages)) if cfg.persistent \
-                    else lax.rem(s, jnp.int32(stages))
+                """The ring slot of this work's step s (the ring runs on across works;
+                `base` is 0 for one work a CTA)."""
+                return lax.rem(base + s, jnp.int32(stages))
 
             def step(s, block, carry, visible):
                 """One pipeline step: the step's ring slot holds the block's keys and
@@ -394,14 +399,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
             total, heads = lax.fori_loop(0, count, produce, (jnp.int32(0), jnp.int32(0)))
         else:
             total, heads = produce(0, (jnp.int32(0), jnp.int32(0)))
-
-        def drain(s, _):
-            """Observe the consumers' release of the last steps too: every phase of the
-            release barriers is then awaited (the GPU interpreter checks that)."""
-            slot = lax.rem(s, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+        pipeline.drain(total, stages, k_free, v_free)
         if narrow and cfg.persistent:
             pl.when(heads > 0)(lambda: plgpu.barrier_wait(head_free))
 

@@ -180,8 +180,7 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
             def step(s, block, carry, masked):
                 """carry: the accumulators of `outputs`, in its order."""
                 grads = dict(zip(outputs, carry))
-                slot = lax.rem(base + s, jnp.int32(stages)) if cfg.persistent \
-                    else lax.rem(s, jnp.int32(stages))
+                slot = lax.rem(base + s, jnp.int32(stages))   # base 0: one work a CTA
                 for ready in (q_ready, do_ready, rows_ready, stats_ready):
                     plgpu.barrier_wait(ready.at[slot])
                 q_tile, do_tile, stats = q_smem.at[slot], do_smem.at[slot], stats_smem.at[slot]
