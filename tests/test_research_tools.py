@@ -414,3 +414,7 @@ ptxas info    : Used 90 registers"""
     smem = kernel_registers.shared_memory()
     assert set(smem) == {"cca_forward", "cca_dq", "cca_dk_dv", "cca_dck_dcv", "cca_decode"}
     assert all(100 < kib <= 227 for kib in smem.values()), smem   # one CTA an SM, each
+    persistent = kernel_registers.shared_memory(
+        {"persistent": True, "backward_tiling": {"persistent": True}})
+    assert persistent["cca_forward"] > smem["cca_forward"]   # O tiles of its own
+    assert persistent["cca_decode"] == smem["cca_decode"]

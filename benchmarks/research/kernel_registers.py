@@ -1,6 +1,7 @@
 """What ptxas says of each Mosaic GPU kernel: registers per thread, spills, stack (sm_90).
 
     python benchmarks/research/kernel_registers.py \\
+        [--tiling '{"persistent": true, "backward_tiling": {"persistent": true}}'] \\
         [--out benchmarks/results/research/kernel_registers_h200] [--reparse]
 
 Issue 26 asks, where a target is missed, what limits each kernel: issue rate, shared memory,
@@ -9,7 +10,8 @@ registers or the power cap. This answers the register part. In a child process w
 it builds), it compiles and runs once, at the 7B attention shape (Hq 32, Hkv 8, D 128, bf16,
 CCA g 16, s 1024) on 4096 tokens (the kernels' code does not depend on the length):
 the forward and the backward's dq, dk/dv and dck/dcv kernels (`jax.grad` of the backend),
-and the decode kernel, each at its default tiling. Then it parses the report: per kernel
+and the decode kernel, each at its default tiling, or the attention kernels at `--tiling` (the
+forward's `attention_mosaic_gpu` keyword arguments; `backward_tiling` the backward's). Then it parses the report: per kernel
 function, registers per thread, spill stores and loads (bytes), stack frame (bytes), with the
 shared memory each kernel's tiling allocates (from the config functions) beside it. The
 register ceiling a warp-specialised kernel asks for (`setmaxnreg`: 232 for its consumers, 40
@@ -37,8 +39,9 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
-def run_kernels() -> None:
-    """Compile and run each kernel once (in the child with the dump on)."""
+def run_kernels(tiling: dict) -> None:
+    """Compile and run each kernel once (in the child with the dump on); the attention
+    kernels at `tiling`."""
     import jax
     import jax.numpy as jnp
 
@@ -52,7 +55,7 @@ def run_kernels() -> None:
     k, v = (jax.random.normal(x, (1, LENGTH, HKV, D), jnp.bfloat16) for x in keys[1:3])
 
     def loss(q, k, v):
-        return jnp.sum(attention_mosaic_gpu(q, k, v, pattern).astype(jnp.float32))
+        return jnp.sum(attention_mosaic_gpu(q, k, v, pattern, **tiling).astype(jnp.float32))
     print("fwd+bwd", float(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)[0].sum()),
           flush=True)
     ring, slots = S + G, 256
@@ -85,12 +88,17 @@ def parse(text: str) -> list[dict]:
     return records
 
 
-def shared_memory() -> dict:
-    """KiB of shared memory each kernel's default tiling allocates, by kernel name."""
+def shared_memory(tiling: dict | None = None) -> dict:
+    """KiB of shared memory each kernel allocates at `tiling` (`run_kernels`'), by kernel
+    name."""
     from pallas_kernels.mosaic_gpu import config
     from pallas_kernels.mosaic_gpu import decode_config as decode
-    backward = config.backward_shared_memory_bytes(config.mosaic_backward_config(head_dim=D), D)
-    kib = {"cca_forward": config.shared_memory_bytes(config.mosaic_config(head_dim=D), D),
+    forward = dict(tiling or {})
+    backward_fields = forward.pop("backward_tiling", None) or {}
+    backward = config.backward_shared_memory_bytes(
+        config.mosaic_backward_config(head_dim=D, **backward_fields), D)
+    kib = {"cca_forward": config.shared_memory_bytes(
+               config.mosaic_config(head_dim=D, **forward), D),
            "cca_dq": backward["dq"], "cca_dk_dv": backward["keys"],
            "cca_dck_dcv": backward["keys"],
            "cca_decode": decode.shared_memory_bytes(
@@ -98,8 +106,9 @@ def shared_memory() -> dict:
     return {name: round(b / 1024, 1) for name, b in kib.items()}
 
 
-def table(records: list[dict]) -> str:
-    lines = table_heading("ptxas's report of the Mosaic GPU kernels (default tilings; Hq 32, "
+def table(records: list[dict], tiling: dict | None = None) -> str:
+    tilings = f"attention tiling {json.dumps(tiling)}" if tiling else "default tilings"
+    lines = table_heading(f"ptxas's report of the Mosaic GPU kernels ({tilings}; Hq 32, "
                           "Hkv 8, D 128, bf16, CCA g 16, s 1024)", records[0]) + [
         "| function | registers / thread | spill stores / loads (bytes) | stack (bytes) "
         "| shared memory KiB |", "| --- | --- | --- | --- | --- |"]
@@ -137,16 +146,20 @@ def main(argv=None) -> int:
     ap.add_argument("--reparse", action="store_true",
                     help="rebuild <out>.json and <out>.md from <out>.log and the stamps of "
                     "<out>.json (a parser fix; no GPU)")
+    ap.add_argument("--tiling", type=json.loads, default={},
+                    help="JSON: the attention kernels' tiling (attention_mosaic_gpu's keyword "
+                    "arguments, backward_tiling for the backward's); default tilings if absent")
     ap.add_argument("--out", default="benchmarks/results/research/kernel_registers_h200")
     args = ap.parse_args(argv)
     if args.child:
-        run_kernels()
+        run_kernels(args.tiling)
         return 0
     if args.reparse:
         return reparse(args.out)
     claim_output(args.out)
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env,
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                           "--tiling", json.dumps(args.tiling)], env=env,
                           capture_output=True, text=True)
     log = done.stdout + done.stderr
     with open(args.out + ".log", "w") as f:
@@ -154,8 +167,8 @@ def main(argv=None) -> int:
     if done.returncode:
         print(log[-4000:], file=sys.stderr)
         return done.returncode
-    smem = shared_memory()
-    records = [dict(stamp(argv), **r,
+    smem = shared_memory(args.tiling)
+    records = [dict(stamp(argv), tiling=args.tiling, **r,
                     smem_kib=next((v for k, v in smem.items() if k in r["function"]), None))
                for r in parse(log)]
     if not records:
@@ -164,7 +177,7 @@ def main(argv=None) -> int:
         return 1
     for r in records:
         print(json.dumps(r), flush=True)
-    write_results(args.out, records, table(records))
+    write_results(args.out, records, table(records, args.tiling))
     return 0
 
 
