@@ -246,9 +246,12 @@ def consume_works(persistent: bool, count, load, work_at, consume) -> None:
     """The consumers' loop over their CTA's works: `consume(i, base)` runs work i, its ring
     steps counted from `base`, and returns the next base. Persistent: the first work's
     operands are loaded here (`load(work)`; `consume` loads each next one early), and the
-    last stores awaited at the end; else the one work, which loads its own."""
+    last stores awaited at the end; else the one work, which loads its own, from base 0.
+    That base is a Python 0, not `jnp.int32(0)`: jax 0.11's Mosaic GPU lowering refuses a
+    kernel whose ring slot adds the concrete array to a step ("Shaped arrays must be
+    represented by ir.Values, got: 0"), where jax 0.10's lowers it (`.ci/newest-jax`)."""
     if not persistent:
-        consume(0, jnp.int32(0))
+        consume(0, 0)
         return
     pl.when(count > 0)(lambda: load(work_at(0)))
     lax.fori_loop(0, count, consume, jnp.int32(0))
