@@ -11,11 +11,12 @@ it builds), it compiles and runs once, at the 7B attention shape (Hq 32, Hkv 8, 
 CCA g 16, s 1024) on 4096 tokens (the kernels' code does not depend on the length):
 the forward and the backward's dq, dk/dv and dck/dcv kernels (`jax.grad` of the backend),
 and the decode kernel, each at its default tiling, or the attention kernels at `--tiling` (the
-forward's `attention_mosaic_gpu` keyword arguments; `backward_tiling` the backward's). Then it parses the report: per kernel
-function, registers per thread, spill stores and loads (bytes), stack frame (bytes), with the
-shared memory each kernel's tiling allocates (from the config functions) beside it. The
-register ceiling a warp-specialised kernel asks for (`setmaxnreg`: 232 for its consumers, 40
-for its producer) is what the consumers may use; ptxas reports the function's count before it.
+forward's `attention_mosaic_gpu` keyword arguments; `backward_tiling` the backward's). Then
+it parses the report: per kernel function, registers per thread, spill stores and loads
+(bytes), stack frame (bytes), with the shared memory each kernel's tiling allocates (from the
+config functions) beside it. The register ceiling a warp-specialised kernel asks for
+(`setmaxnreg`: 232 for its consumers, 40 for its producer) is what the consumers may use;
+ptxas reports the function's count before it.
 Writes `<out>.json` (records stamped), `<out>.md`, and `<out>.log` (ptxas's own lines).
 """
 
