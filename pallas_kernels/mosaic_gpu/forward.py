@@ -49,10 +49,6 @@ from pallas_kernels.mosaic_gpu.tables import (CORE_FIRST, CORE_FULL_FIRST, CORE_
 
 _LOG2E = math.log2(math.e)
 _MAX_INIT = -1e30
-# Registers per thread after the producer hands its share to the two consumers (FA3's split:
-# 2 * 232 + 40 warps' worth fits the 64K registers of an SM).
-_CONSUMER_REGISTERS = 232
-_PRODUCER_REGISTERS = 40
 
 
 def _layouts(interpreted: bool):
@@ -152,7 +148,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     @pl.when(wg < wgs)
     def _consumer():
         if wgs == 2:
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
         qo = qo_smem.at[wg]
         rows = rows_smem.at[wg]
 
@@ -323,7 +319,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
     @pl.when(wg == wgs)
     def _producer():
         if wgs == 2:
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
 
         def produce(i, carry):
             """The copies of work i's steps into the ring, whose steps are counted across
