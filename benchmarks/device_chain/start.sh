@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # start.sh COMMIT [STEPS]: install carried wheels, copy the tree to /root/srv, start the chain of
-# STEPS (a file beside this one; steps.txt by default; `auto` picks by card) in the background.
+# STEPS (a file beside this one; steps.txt by default; `auto` picks by card) in the background;
+# `.whl/tree_<commit>.tgz` (an older source tree) is unpacked to /root/trees/<commit>.
 set -u
 COMMIT=${1:-unknown}
 STEPS=${2:-steps.txt}
@@ -11,6 +12,11 @@ if [ ! -f /root/job/started ]; then
   mkdir -p /root/job/out /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /root/job/pip.log 2>&1
   rm -rf /root/srv && mkdir -p /root/srv && cp -r . /root/srv/ && rm -rf /root/srv/.whl /root/srv/.git
+  for tree in .whl/tree_*.tgz; do   # older source trees carried for A/B steps: /root/trees/<commit>
+    [ -f "$tree" ] || continue
+    name=$(basename "$tree" .tgz); mkdir -p /root/trees/${name#tree_}
+    tar xzf "$tree" -C /root/trees/${name#tree_}
+  done
   echo "$COMMIT" > /root/job/commit
   echo "$STEPS" > /root/job/steps_file
   date -u +%FT%TZ > /root/job/started
