@@ -418,3 +418,29 @@ ptxas info    : Used 90 registers"""
         {"persistent": True, "backward_tiling": {"persistent": True}})
     assert persistent["cca_forward"] > smem["cca_forward"]   # O tiles of its own
     assert persistent["cca_decode"] == smem["cca_decode"]
+
+
+def test_mosaic_modules_compares_two_trees_kernel_by_kernel(capsys):
+    """This tree against itself: every kernel identical. Summaries that differ: the loops
+    counted as a multiset (a moved loop is still the same loop), the op counts' deltas."""
+    import pathlib
+
+    from benchmarks.research import mosaic_modules as probe
+    repo = str(pathlib.Path(__file__).parents[1])
+    assert probe.main(["--against", repo, "--d", "64", "--hq", "2", "--hkv", "1",
+                       "--length", "256", "--slots", "32"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["cca_forward: identical"]
+    old = {"sha256": "a", "loops": ["x", "y", "z"], "ops": {"arith.addi": 3, "scf.for": 3}}
+    moved = {"sha256": "b", "loops": ["y", "z", "x"], "ops": {"arith.addi": 3, "scf.for": 3}}
+    assert probe.compare(old, moved) == ("3 of its 3 wgmma loops as in the old tree's 3 "
+                                         "(reordered); ops the same counts")
+    changed = {"sha256": "c", "loops": ["x", "w"], "ops": {"arith.addi": 5}}
+    assert probe.compare(old, changed) == ("1 of its 2 wgmma loops as in the old tree's 3; "
+                                           "ops arith.addi +2, scf.for -3")
+    text = ("module @k {\n  %0 = scf.for %i = %a to %b step %c iter_args(%x = %y) -> f32 {\n"
+            "    %1 = nvvm.wgmma.mma_async %x\n    scf.yield %1\n  }\n"
+            "  %2 = scf.for %j = %a to %b step %c iter_args(%u = %w) -> f32 {\n"
+            "    %3 = nvvm.wgmma.mma_async %u\n    scf.yield %3\n  }\n}\n")
+    loops = probe.wgmma_loops(text)
+    assert len(loops) == 2 and loops[0] == loops[1]   # SSA names do not count
+    assert probe.module_name(text) == "k"
