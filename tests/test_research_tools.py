@@ -420,16 +420,24 @@ ptxas info    : Used 90 registers"""
     assert persistent["cca_decode"] == smem["cca_decode"]
 
 
-def test_mosaic_modules_compares_two_trees_kernel_by_kernel(capsys):
-    """This tree against itself: every kernel identical. Summaries that differ: the loops
-    counted as a multiset (a moved loop is still the same loop), the op counts' deltas."""
+def test_mosaic_modules_compares_two_trees_kernel_by_kernel(capsys, tmp_path):
+    """This tree against itself: every kernel identical, both texts written. Summaries that
+    differ: the loops counted as a multiset (a moved loop is still the same loop), the op
+    counts' deltas."""
     import pathlib
 
     from benchmarks.research import mosaic_modules as probe
     repo = str(pathlib.Path(__file__).parents[1])
+    out = tmp_path / "modules"
     assert probe.main(["--against", repo, "--d", "64", "--hq", "2", "--hkv", "1",
-                       "--length", "256", "--slots", "32"]) == 0
+                       "--length", "256", "--slots", "32", "--out", str(out)]) == 0
     assert capsys.readouterr().out.splitlines() == ["cca_forward: identical"]
+    old_text, new_text = ((out / f"{tree}_cca_forward.mlir").read_text()
+                          for tree in ("old", "new"))
+    assert old_text == new_text and old_text.startswith("module @cca_forward")
+    assert "loc(" not in old_text
+    with pytest.raises(SystemExit, match="exists"):    # never over an earlier run's texts
+        probe.main(["--against", repo, "--out", str(out)])
     old = {"sha256": "a", "loops": ["x", "y", "z"], "ops": {"arith.addi": 3, "scf.for": 3}}
     moved = {"sha256": "b", "loops": ["y", "z", "x"], "ops": {"arith.addi": 3, "scf.for": 3}}
     assert probe.compare(old, moved) == ("3 of its 3 wgmma loops as in the old tree's 3 "

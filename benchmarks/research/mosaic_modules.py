@@ -6,11 +6,12 @@ machine (no GPU), compared between two source trees.
 
 Lowers `blocked_attention_mosaic_gpu` (with `--grad`, its backward too) in this tree and in
 OLD_TREE (e.g. `git archive <commit> cca_jax pallas_kernels | tar -x -C DIR`), each in its own
-process, and records each Mosaic GPU module as printed before serialization, without source
-locations. Per kernel it says whether the two texts are equal; else whether the loops that
-issue wgmma are equal with SSA names ignored, and how the op counts differ. Where the hot
-loops are equal, a timing difference between the trees is not the kernel's code. With
-`--out`, each module's text is written there (`<tree>_<kernel>.mlir`) for `diff`.
+process, and records each Mosaic GPU module as it stands before serialization, after MLIR's
+canonicalize and cse, without source locations. Per kernel it says whether the two texts are
+equal; else which of the loops that issue wgmma are the old tree's (SSA names ignored), and
+how the op counts differ. Where the hot loops are equal, a timing difference between the
+trees is not in them. With `--out`, each module's text is written there (`old_<kernel>.mlir`,
+`new_<kernel>.mlir`) for `diff`.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=512)
     ap.add_argument("--tiling", default="{}", help="JSON keywords of the kernels' entry")
     ap.add_argument("--out", help="a new directory for the modules' texts")
-    ap.add_argument("--label", default="this", help=argparse.SUPPRESS)
+    ap.add_argument("--label", default="new", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
         raise SystemExit("--against must name a source tree with pallas_kernels/ in it")
     if args.out and os.path.exists(args.out):
         raise SystemExit(f"{args.out} exists: pass --out with a new directory")
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    forwarded = list(argv if argv is not None else sys.argv[1:])
     results = {}
     for label, tree in (("old", os.path.abspath(args.against)), ("new", _REPO)):
         cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--child",
