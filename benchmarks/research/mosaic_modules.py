@@ -64,6 +64,9 @@ def _capture_modules(run) -> list[str]:
 
 
 def _lower(args) -> list[str]:
+    """The modules of one lowering in the tree this process imports. Not through
+    `tests/mosaic_gpu_cases.lowered_text`: an archived tree may hold no tests, and an old
+    one's helper takes other arguments; the kernels' entry is what both trees share."""
     import jax
     import jax.numpy as jnp
 
