@@ -88,10 +88,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
     head_free = head_free[0] if head_free else None
     as_tile, as_rows, _ = pipeline.layouts(interpreted)
 
-    @pl.when(wg < wgs)
+    @pipeline.consumers(wg, wgs)
     def _consumer():
-        if wgs == 2:
-            plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
 
         def load_rows(w: _Work):
@@ -185,10 +183,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
 
         pipeline.consume_works(cfg.persistent, count, load_rows, work_at, consume)
 
-    @pl.when(wg == wgs)
+    @pipeline.producer(wg, wgs)
     def _producer():
-        if wgs == 2:
-            plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
 
         def produce(i, carry):
             """Work i's copies; returns the next (ring base, narrow heads copied)."""

@@ -145,10 +145,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
         plgpu.barrier_arrive(sched_bar)
         plgpu.barrier_wait(sched_bar)
 
-    @pl.when(wg < wgs)
+    @pipeline.consumers(wg, wgs)
     def _consumer():
-        if wgs == 2:
-            plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
         qo = qo_smem.at[wg]
         rows = rows_smem.at[wg]
 
@@ -316,10 +314,8 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
 
         pipeline.consume_works(cfg.persistent, count, load_rows, work_at, consume)
 
-    @pl.when(wg == wgs)
+    @pipeline.producer(wg, wgs)
     def _producer():
-        if wgs == 2:
-            plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
 
         def produce(i, carry):
             """The copies of work i's steps into the ring, whose steps are counted across

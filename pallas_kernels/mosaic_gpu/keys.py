@@ -96,10 +96,8 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
         def work_at(i):
             return only
 
-    @pl.when(wg < wgs)
+    @pipeline.consumers(wg, wgs)
     def _consumer():
-        if wgs == 2:
-            plgpu.set_max_registers(pipeline.CONSUMER_REGISTERS, action="increase")
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
 
         def load_keys(w: _Work):
@@ -238,10 +236,8 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
 
         pipeline.consume_works(cfg.persistent, count, load_keys, work_at, consume)
 
-    @pl.when(wg == wgs)
+    @pipeline.producer(wg, wgs)
     def _producer():
-        if wgs == 2:
-            plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
 
         def produce(i, base):
             """Work i's copies; returns the next ring base."""

@@ -26,6 +26,29 @@ CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
 
+def consumers(wg, wgs: int):
+    """Decorator: runs the body on warpgroups 0..wgs-1, the consumers; two of them take the
+    registers the producer gives up (FA3's split, `CONSUMER_REGISTERS`)."""
+    return _warpgroup_role(wg < wgs, wgs, CONSUMER_REGISTERS, "increase")
+
+
+def producer(wg, wgs: int):
+    """Decorator: runs the body on warpgroup `wgs`, the producer of the copies; beside two
+    consumers it keeps only `PRODUCER_REGISTERS`."""
+    return _warpgroup_role(wg == wgs, wgs, PRODUCER_REGISTERS, "decrease")
+
+
+def _warpgroup_role(mine, wgs: int, registers: int, action: str):
+    def run(body):
+        @pl.when(mine)
+        def _():
+            if wgs == 2:
+                plgpu.set_max_registers(registers, action=action)
+            body()
+        return body
+    return run
+
+
 def smem_transforms(head_dim: int, itemsize: int = 2) -> tuple:
     """The shared-memory tiling and swizzle of `[rows, head_dim]` tiles: the widest swizzle
     (128, 64 or 32 bytes) that divides a row, in tiles of 8 rows by one swizzle width."""
