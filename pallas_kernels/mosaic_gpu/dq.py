@@ -169,9 +169,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
             if narrow:   # last: its copies, issued first, have landed by now (dQ is a sum)
                 dq = lax.fori_loop(0, w.n_head, head_step, dq)
             if cfg.persistent:   # Q and dO are free: the next work's load during this epilogue
-                @pl.when(i + 1 < count)
-                def _():
-                    load_rows(work_at(i + 1))
+                pipeline.load_next(i, count, load_rows, work_at)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last dQ is stored
             dq_smem.at[wg][...] = (dq * scale).astype(q_ref.dtype)
             plgpu.commit_smem()

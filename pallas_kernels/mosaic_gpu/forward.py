@@ -294,9 +294,7 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
             if use_sched:
                 pl.when(wg == 0)(schedule_barrier)
             if cfg.persistent:   # Q is free: the next work's rows load during this epilogue
-                @pl.when(i + 1 < count)
-                def _():
-                    load_rows(work_at(i + 1))
+                pipeline.load_next(i, count, load_rows, work_at)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last O is stored
             acc, m_i, l_i = carry
             l_i = jnp.maximum(l_i, 1e-30)

@@ -226,10 +226,7 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
                                         out_refs[name].at[batch, own_keys, head])
             if cfg.persistent:   # once the stores have read them, the next work's K and V
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-                @pl.when(i + 1 < count)
-                def _():
-                    load_keys(work_at(i + 1))
+                pipeline.load_next(i, count, load_keys, work_at)
             else:
                 plgpu.wait_smem_to_gmem(0)
             return base + w.n_steps
