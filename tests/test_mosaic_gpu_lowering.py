@@ -417,6 +417,25 @@ def test_kernels_carry_their_names_into_profiles():
     assert names == {"cca_forward", "cca_dq", "cca_dk_dv", "cca_dck_dcv"}, names
 
 
+@pytest.mark.parametrize("wgs", [2, 1])
+def test_two_consumer_warpgroups_take_the_producers_registers(wgs):
+    """FA3's split (`pipeline.consumers` / `producer`): beside two consumer warpgroups the
+    producer gives up registers (40 left) and the consumers take them (232), once each, in
+    every kernel; a single consumer keeps the even split. Read from the modules as lowered."""
+    from jax.experimental.mosaic.gpu import core
+
+    from benchmarks.research.mosaic_modules import capture_modules, module_name
+    if not hasattr(core, "_run_serde_pass"):
+        pytest.skip("this jax's Mosaic GPU has no hook to read the modules at (jax 0.10 has)")
+    tiling = dict(compute_wgs=wgs, backward_tiling=dict(compute_wgs=wgs))
+    texts = capture_modules(lambda: lowered_text("bfloat16", 128, 8, 2, 1000, 45, grad=True,
+                                                 **tiling))
+    splits = {module_name(t): re.findall(r"nvvm\.setmaxregister (\w+ \d+)", t) for t in texts}
+    expected = ["increase 232", "decrease 40"] if wgs == 2 else []
+    assert splits == {name: expected for name in ("cca_forward", "cca_dq", "cca_dk_dv",
+                                                  "cca_dck_dcv")}, splits
+
+
 def test_persistent_works_cover_every_work_once_in_balanced_shares():
     """A persistent launch's CTAs take every (head, row block, batch row, split) exactly
     once, in waves of `ctas` with the order reversed every other wave; counts differ by at

@@ -42,7 +42,7 @@ def _canonical_text(module) -> str:
     return copy.operation.get_asm(enable_debug_info=False)
 
 
-def _capture_modules(run) -> list[str]:
+def capture_modules(run) -> list[str]:
     """The text of every Mosaic GPU module `run()` lowers, locations left out."""
     from jax.experimental.mosaic.gpu import core
     serde = getattr(core, "_run_serde_pass", None)
@@ -85,7 +85,7 @@ def _lower(args) -> list[str]:
         fn = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)),
                       argnums=(0, 1, 2, 3, 4))
     lowered = jax.jit(fn).trace(q, kv, kv, slots, slots, bounds, bounds, bounds)
-    return _capture_modules(lambda: lowered.lower(lowering_platforms=("cuda",)))
+    return capture_modules(lambda: lowered.lower(lowering_platforms=("cuda",)))
 
 
 def module_name(text: str) -> str:
