@@ -4,9 +4,10 @@ the producer's ring of shared-memory buffers, the split block walk of the consum
 the row-bounds masks of a score tile (the forward uses the masks too).
 
 Every backward kernel is one CTA of `compute_wgs` consumer warpgroups and one producer
-warpgroup (the last). The producer TMA-copies each step's operands into ring slot
-`step % stages` once every consumer has released that slot; the consumers walk the same
-steps (they share the ring) and mask what their own rows or keys do not see.
+warpgroup (the last; `consumers` and `producer` run each its part, with FA3's register
+split). The producer TMA-copies each step's operands into ring slot `step % stages` once
+every consumer has released that slot; the consumers walk the same steps (they share the
+ring) and mask what their own rows or keys do not see.
 """
 
 from __future__ import annotations
