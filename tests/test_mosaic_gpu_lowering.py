@@ -426,7 +426,7 @@ def test_two_consumer_warpgroups_take_the_producers_registers(wgs):
 
     from benchmarks.research.mosaic_modules import capture_modules, module_name
     if not hasattr(core, "_run_serde_pass"):
-        pytest.skip("this jax's Mosaic GPU has no hook to read the modules at (0.10 and 0.11 have)")
+        pytest.skip("this jax's Mosaic GPU has no hook to read modules at (0.10, 0.11 have)")
     tiling = dict(compute_wgs=wgs, backward_tiling=dict(compute_wgs=wgs))
     texts = capture_modules(lambda: lowered_text("bfloat16", 128, 8, 2, 1000, 45, grad=True,
                                                  **tiling))

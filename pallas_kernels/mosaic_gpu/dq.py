@@ -183,7 +183,6 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, do_ref, stats_ref, bounds_ref, 
 
     @pipeline.producer(wg, wgs)
     def _producer():
-
         def produce(i, carry):
             """Work i's copies; returns the next (ring base, narrow heads copied)."""
             base, heads = carry

@@ -314,7 +314,6 @@ def _kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, bounds_ref, cta_ref, wg_ref, sl
 
     @pipeline.producer(wg, wgs)
     def _producer():
-
         def produce(i, carry):
             """The copies of work i's steps into the ring, whose steps are counted across
             works from `base`; returns the next (base, narrow heads copied)."""

@@ -235,7 +235,6 @@ def _kernel(q_ref, do_ref, stats_ref, bounds_ref, k_ref, v_ref, cta_ref, wg_ref,
 
     @pipeline.producer(wg, wgs)
     def _producer():
-
         def produce(i, base):
             """Work i's copies; returns the next ring base."""
             w = work_at(i)

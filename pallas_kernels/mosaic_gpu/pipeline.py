@@ -283,10 +283,10 @@ def consume_works(persistent: bool, count, load, work_at, consume) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-
 def load_next(i, count, load, work_at) -> None:
     """Persistent CTAs: start the copies of work i + 1's own operands (`load`), if any."""
     pl.when(i + 1 < count)(lambda: load(work_at(i + 1)))
+
 
 def walk(first, full_first, full_last, last, offset, step, carry):
     """`step(s, block, carry, masked)` over blocks `[first, last)` (ring step `s = block -
